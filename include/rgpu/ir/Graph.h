@@ -1,0 +1,199 @@
+//===- rgpu/ir/Graph.h - The lazy graph, independent of torch ---------------===//
+//
+// A Graph is what one sync point cuts out of the trace: a pure, functional DAG of aten ops with
+// static shapes. It is the unit that is hashed, shipped once, cached and compiled on the server.
+//
+// This header deliberately knows nothing about ATen. Dtypes are c10::ScalarType numbers, ops are
+// their schema names ("aten::add.Tensor"), and non-tensor arguments are a small closed set of
+// kinds. The client, the server, the wire and rgpu-trace-dump all share it.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include <llvm/ADT/ArrayRef.h>
+#include <llvm/ADT/SmallVector.h>
+#include <llvm/ADT/StringRef.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace llvm {
+class raw_ostream;
+}
+
+namespace rgpu::ir {
+
+/// An interned operator name such as "aten::add.Tensor". Ids are local to one process; anything
+/// that leaves the process (hash, wire) uses the text.
+class Symbol {
+public:
+  Symbol() = default;
+  /// Interns \p name; thread-safe.
+  static Symbol get(llvm::StringRef name);
+  llvm::StringRef str() const;
+  uint32_t id() const { return id_; }
+  bool operator==(Symbol o) const { return id_ == o.id_; }
+  bool operator!=(Symbol o) const { return id_ != o.id_; }
+
+private:
+  uint32_t id_ = 0;
+};
+
+/// Splits "aten::add.Tensor" into {"aten::add", "Tensor"}; the overload is empty if absent.
+std::pair<llvm::StringRef, llvm::StringRef> splitOpName(llvm::StringRef name);
+
+/// c10::ScalarType numbers for the dtypes rgpu names; any valid ScalarType may appear.
+namespace dtype {
+constexpr int8_t Byte = 0, Char = 1, Short = 2, Int = 3, Long = 4, Half = 5, Float = 6,
+                 Double = 7, ComplexHalf = 8, ComplexFloat = 9, ComplexDouble = 10, Bool = 11,
+                 BFloat16 = 15;
+/// Short name used in dumps: "f32", "i64", "bf16"; "dtype<N>" for the rest.
+std::string name(int8_t dtype);
+/// Bytes per element, or 0 if unknown.
+unsigned itemSize(int8_t dtype);
+/// True for dtypes a graph may carry (the numeric and bool ScalarTypes).
+bool isValid(int8_t dtype);
+} // namespace dtype
+
+/// Dtype, sizes and strides of a tensor value. The storage offset is always 0: every value the
+/// graph sees is a whole tensor (views are functionalized into *_copy ops).
+struct TensorMeta {
+  int8_t dtype = dtype::Float;
+  llvm::SmallVector<int64_t, 4> sizes;
+  llvm::SmallVector<int64_t, 4> strides;
+
+  int64_t numel() const;
+  /// Bytes the strided layout spans (0 for an empty tensor).
+  int64_t storageBytes() const;
+  bool operator==(const TensorMeta &o) const {
+    return dtype == o.dtype && sizes == o.sizes && strides == o.strides;
+  }
+  bool operator!=(const TensorMeta &o) const { return !(*this == o); }
+  /// "f32[8,32]", with the strides appended when they are not contiguous.
+  std::string str() const;
+};
+
+/// A non-tensor argument, or a reference to a tensor operand or scalar input of the node.
+///
+/// Lists are flattened: a List arg with count N is followed by its N elements. This keeps a node
+/// one flat array (cheap to hash, copy and encode) and bounds nesting to one level by design.
+struct Arg {
+  enum class Kind : uint8_t {
+    None,   ///< None / an absent optional.
+    Bool,   ///< i is 0 or 1.
+    Int,    ///< i; also ScalarType, Layout and MemoryFormat, which are ints in a schema.
+    Double, ///< d.
+    Str,    ///< i indexes Node::strings.
+    Device, ///< i indexes Node::strings ("rgpu:0"; the server substitutes its own device).
+    Tensor, ///< i indexes Node::operands.
+    Scalar, ///< i indexes Node::scalars: a lifted Python number, not part of the hash.
+    List,   ///< i elements follow.
+  };
+  Kind kind = Kind::None;
+  int64_t i = 0;
+  double d = 0;
+
+  static Arg none() { return {}; }
+  static Arg boolean(bool v) { return {Kind::Bool, v ? 1 : 0, 0}; }
+  static Arg integer(int64_t v) { return {Kind::Int, v, 0}; }
+  static Arg real(double v) { return {Kind::Double, 0, v}; }
+  static Arg ref(Kind k, int64_t index) { return {k, index, 0}; }
+  bool operator==(const Arg &o) const;
+};
+
+/// How a lifted scalar is handed to the kernel. Wrapped numbers are the 0-dim CPU tensors that
+/// PyTorch makes from Python numbers in `x * 2.0`; they promote like Python scalars.
+enum class ScalarForm : uint8_t { Scalar = 0, WrappedNumber = 1, Tensor0d = 2 };
+
+/// The type of one scalar input of a graph. Its value travels in each Run.
+struct ScalarSlot {
+  int8_t dtype = dtype::Double;
+  ScalarForm form = ScalarForm::Scalar;
+  bool operator==(const ScalarSlot &o) const { return dtype == o.dtype && form == o.form; }
+};
+
+/// A scalar value; which member is meaningful follows the slot's dtype.
+struct ScalarValue {
+  enum class Kind : uint8_t { Int, Double, Bool, Complex } kind = Kind::Double;
+  int64_t i = 0;
+  double d = 0, imag = 0;
+  bool operator==(const ScalarValue &o) const {
+    return kind == o.kind && i == o.i && d == o.d && imag == o.imag;
+  }
+};
+
+/// One aten op application.
+struct Node {
+  Symbol op;
+  llvm::SmallVector<Arg, 8> args;
+  llvm::SmallVector<std::string, 0> strings;
+  /// Graph value ids of the tensor operands, in the order Tensor args refer to them.
+  llvm::SmallVector<uint32_t, 4> operands;
+  /// Scalar input slots, in the order Scalar args refer to them.
+  llvm::SmallVector<uint32_t, 2> scalars;
+  llvm::SmallVector<TensorMeta, 1> outputs;
+  /// Index into Graph::locations of the user's source line; metadata, not hashed.
+  uint32_t loc = 0;
+};
+
+/// A 128-bit graph identity.
+struct Hash128 {
+  uint64_t hi = 0, lo = 0;
+  bool operator==(const Hash128 &o) const { return hi == o.hi && lo == o.lo; }
+  bool operator!=(const Hash128 &o) const { return !(*this == o); }
+  bool operator<(const Hash128 &o) const { return hi != o.hi ? hi < o.hi : lo < o.lo; }
+  /// 32 lowercase hex digits.
+  std::string hex() const;
+  /// Parses 32 hex digits; false if malformed.
+  static bool parse(llvm::StringRef text, Hash128 &out);
+};
+
+/// A functional graph. Value ids number the inputs first, then every node output in node order.
+struct Graph {
+  llvm::SmallVector<TensorMeta, 8> inputs;
+  llvm::SmallVector<ScalarSlot, 8> scalars;
+  std::vector<Node> nodes;
+  llvm::SmallVector<uint32_t, 8> outputs;
+  /// Source locations ("file.py:12"); entry 0 is the empty location. Not hashed.
+  std::vector<std::string> locations{std::string()};
+
+  /// Total number of values (inputs plus node outputs).
+  uint32_t valueCount() const;
+  /// The meta of every value, indexed by value id.
+  std::vector<const TensorMeta *> valueMetas() const;
+  /// Adds \p loc to the location table (deduplicated against the last entry only).
+  uint32_t addLocation(llvm::StringRef loc);
+};
+
+/// The canonical form of a graph plus the permutations that map the caller's inputs onto it.
+struct Canonical {
+  Graph graph;
+  /// inputOrder[k] is the caller's input index that became canonical input k.
+  llvm::SmallVector<uint32_t, 8> inputOrder;
+  /// scalarOrder[k] is the caller's scalar slot that became canonical slot k.
+  llvm::SmallVector<uint32_t, 8> scalarOrder;
+  Hash128 hash;
+};
+
+/// Puts \p g into canonical form: nodes in post-order of a depth-first walk from the outputs (in
+/// their given order), inputs and scalar slots numbered by first use, and nodes no output needs
+/// removed. Two traces of the same program get the same canonical graph whatever their handle
+/// numbers or the order in which their inputs were met. \p g must be well formed (see verify).
+Canonical canonicalize(const Graph &g);
+
+/// The 128-bit structural hash of a graph: ops, args, operand wiring, input/output metas and
+/// scalar slot types. Not data, scalar values or locations. Two independent 64-bit xxHashes.
+Hash128 hashGraph(const Graph &g);
+
+/// Checks internal consistency (operand ids refer to earlier values, arg indices in range, list
+/// counts in bounds, valid dtypes). Returns an empty string if well formed, else the first
+/// problem. This is structural only; the server checks ops against their schemas as well.
+std::string verifyStructure(const Graph &g);
+
+/// Prints one node per line: `%5 = aten::addmm.default(%1, %3, %4) : f32[8,32]  # train.py:12`.
+void printText(const Graph &g, llvm::raw_ostream &os);
+/// Prints the graph as Graphviz dot.
+void printDot(const Graph &g, llvm::raw_ostream &os);
+
+} // namespace rgpu::ir

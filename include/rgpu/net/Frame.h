@@ -1,0 +1,91 @@
+//===- rgpu/net/Frame.h - Framing of Cap'n Proto messages over a stream ----===//
+//
+// Every message travels as one frame: a 16-byte header (magic "RGPU", flags, payload length)
+// followed by a Cap'n Proto message, packed when small. The header lets a reader refuse garbage,
+// an HTTP request or an absurd length after reading 16 bytes, before allocating anything.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include <capnp/message.h>
+#include <kj/array.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace rgpu::net {
+
+constexpr uint32_t kMagic = 0x55504752; // "RGPU" in little-endian byte order
+constexpr size_t kHeaderBytes = 16;
+constexpr uint32_t kFlagPacked = 1;
+
+/// One received frame's payload, word-aligned for Cap'n Proto.
+struct Frame {
+  uint32_t flags = 0;
+  uint64_t bytes = 0;
+  kj::Array<capnp::word> words;
+};
+
+/// Serialises \p message into a frame. Packs it when \p pack (small control frames, where
+/// packing roughly halves the size); data-heavy frames are sent flat.
+std::string encodeFrame(capnp::MessageBuilder &message, bool pack);
+
+/// Opens a reader over a received frame. Throws kj::Exception on a malformed message.
+std::unique_ptr<capnp::MessageReader> openFrame(const Frame &frame,
+                                                const capnp::ReaderOptions &options);
+
+/// Incremental parser: bytes in, whole frames out. Refuses a wrong magic, unknown flags or a
+/// length over the limit, and stays in the error state after that.
+class FrameDecoder {
+public:
+  explicit FrameDecoder(uint64_t maxFrameBytes) : maxFrameBytes_(maxFrameBytes) {}
+  /// Consumes \p n bytes; complete frames queue up for next(). False on a protocol error.
+  bool feed(const char *data, size_t n);
+  /// Moves the oldest complete frame into \p out; false if none is complete.
+  bool next(Frame &out);
+  const std::string &error() const { return error_; }
+  /// Bytes of the frame being assembled still to come (0 between frames).
+  uint64_t pendingBytes() const { return inFrame_ ? current_.bytes - filled_ : 0; }
+
+private:
+  uint64_t maxFrameBytes_;
+  std::string error_;
+  char header_[kHeaderBytes];
+  size_t headerFill_ = 0;
+  bool inFrame_ = false;
+  Frame current_;
+  uint64_t filled_ = 0;
+  std::vector<Frame> ready_;
+  size_t readyHead_ = 0;
+};
+
+/// A blocking TCP connection used by the client. All calls report a dead peer by return value,
+/// never by a signal (SIGPIPE is suppressed).
+class Socket {
+public:
+  enum class Status { Ok, Closed, Timeout, Error };
+
+  Socket() = default;
+  ~Socket();
+  Socket(const Socket &) = delete;
+  Socket &operator=(const Socket &) = delete;
+
+  /// Connects to host:port; on failure returns false and sets \p error to the reason.
+  bool connect(const std::string &host, int port, std::string &error);
+  bool connected() const { return fd_ >= 0; }
+  void close();
+  /// Sends all of \p data; false if the peer is gone.
+  bool sendAll(const std::string &data);
+  /// Receives one frame, waiting at most \p timeoutMs (negative: forever).
+  Status receive(FrameDecoder &decoder, Frame &out, int timeoutMs);
+
+private:
+  int fd_ = -1;
+};
+
+/// Splits "host:port"; false if malformed.
+bool parseHostPort(const std::string &text, std::string &host, int &port);
+
+} // namespace rgpu::net

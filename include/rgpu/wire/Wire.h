@@ -1,0 +1,55 @@
+//===- rgpu/wire/Wire.h - Graphs and frames on the wire ---------------------===//
+//
+// Conversion between ir::Graph and its Cap'n Proto form, and the limits every reader applies.
+// This is a trust boundary: decoding never trusts a count or an index it has not checked, and a
+// malformed message is an error string, never a crash.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "rgpu/ir/Graph.h"
+#include "rgpu.capnp.h" // generated from lib/wire/rgpu.capnp
+
+#include <capnp/message.h>
+
+#include <string>
+
+namespace rgpu::wire {
+
+/// Wire protocol version; bumped on any incompatible schema change.
+constexpr uint32_t kProtocolVersion = 1;
+
+/// Limits applied to every message a peer sends.
+struct Limits {
+  /// Largest frame accepted (data frames carry uploads); larger frames close the connection.
+  uint64_t maxFrameBytes = uint64_t(1) << 30;
+  /// Uploads larger than this are split into chunks of this size.
+  uint64_t uploadChunkBytes = uint64_t(64) << 20;
+  /// Cap'n Proto nesting limit: our schema nests at most 6 deep.
+  int nestingLimit = 16;
+  /// The largest graph accepted, in nodes.
+  uint32_t maxNodes = 1u << 20;
+};
+
+/// Reader options for a frame of \p frameBytes: the traversal limit is the frame's own size (plus
+/// slack), so a message can never make the reader walk more than it was sent.
+capnp::ReaderOptions readerOptions(const Limits &limits, uint64_t frameBytes);
+
+void encodeMeta(const ir::TensorMeta &m, TensorMeta::Builder b);
+/// Returns false if the meta is malformed (rank mismatch, bad dtype, negative size).
+bool decodeMeta(TensorMeta::Reader r, ir::TensorMeta &m);
+
+void encodeGraph(const ir::Graph &g, Graph::Builder b);
+/// Decodes and structurally verifies a graph. Returns "" on success, else what is wrong.
+std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g);
+
+void encodeScalar(const ir::ScalarValue &v, ScalarValue::Builder b);
+ir::ScalarValue decodeScalar(ScalarValue::Reader r);
+
+inline void encodeHash(const ir::Hash128 &h, Hash::Builder b) {
+  b.setHi(h.hi);
+  b.setLo(h.lo);
+}
+inline ir::Hash128 decodeHash(Hash::Reader r) { return {r.getHi(), r.getLo()}; }
+
+} // namespace rgpu::wire

@@ -1,0 +1,511 @@
+#include "rgpu/ir/Graph.h"
+
+#include <llvm/ADT/DenseMap.h>
+#include <llvm/ADT/StringMap.h>
+#include <llvm/Support/Allocator.h>
+#include <llvm/Support/xxhash.h>
+#include <llvm/Support/raw_ostream.h>
+
+#include <cstring>
+#include <mutex>
+
+using namespace llvm;
+
+namespace rgpu::ir {
+
+namespace {
+struct SymbolTable {
+  std::mutex mu;
+  StringMap<uint32_t, BumpPtrAllocator> ids;
+  std::vector<StringRef> names{StringRef()};
+};
+SymbolTable &symbols() {
+  static SymbolTable *table = new SymbolTable; // never destroyed: used from static destructors
+  return *table;
+}
+} // namespace
+
+Symbol Symbol::get(StringRef name) {
+  auto &t = symbols();
+  std::lock_guard<std::mutex> lock(t.mu);
+  auto [it, inserted] = t.ids.try_emplace(name, uint32_t(t.names.size()));
+  if (inserted)
+    t.names.push_back(it->getKey());
+  Symbol s;
+  s.id_ = it->second;
+  return s;
+}
+
+StringRef Symbol::str() const {
+  auto &t = symbols();
+  std::lock_guard<std::mutex> lock(t.mu);
+  return t.names[id_];
+}
+
+std::pair<StringRef, StringRef> splitOpName(StringRef name) {
+  size_t ns = name.find("::");
+  size_t dot = name.find('.', ns == StringRef::npos ? 0 : ns + 2);
+  if (dot == StringRef::npos)
+    return {name, StringRef()};
+  return {name.substr(0, dot), name.substr(dot + 1)};
+}
+
+namespace dtype {
+std::string name(int8_t d) {
+  switch (d) {
+  case Byte: return "u8";
+  case Char: return "i8";
+  case Short: return "i16";
+  case Int: return "i32";
+  case Long: return "i64";
+  case Half: return "f16";
+  case Float: return "f32";
+  case Double: return "f64";
+  case ComplexHalf: return "c32";
+  case ComplexFloat: return "c64";
+  case ComplexDouble: return "c128";
+  case Bool: return "b8";
+  case BFloat16: return "bf16";
+  default: return "dtype<" + std::to_string(int(d)) + ">";
+  }
+}
+unsigned itemSize(int8_t d) {
+  switch (d) {
+  case Byte: case Char: case Bool: return 1;
+  case Short: case Half: case BFloat16: return 2;
+  case Int: case Float: case ComplexHalf: return 4;
+  case Long: case Double: case ComplexFloat: return 8;
+  case ComplexDouble: return 16;
+  default: return 0;
+  }
+}
+bool isValid(int8_t d) { return itemSize(d) != 0; }
+} // namespace dtype
+
+int64_t TensorMeta::numel() const {
+  int64_t n = 1;
+  for (int64_t s : sizes)
+    n *= s;
+  return n;
+}
+
+int64_t TensorMeta::storageBytes() const {
+  if (numel() == 0)
+    return 0;
+  int64_t span = 1;
+  for (size_t i = 0; i < sizes.size(); ++i)
+    span += (sizes[i] - 1) * strides[i];
+  return span * dtype::itemSize(dtype);
+}
+
+std::string TensorMeta::str() const {
+  std::string s = dtype::name(dtype) + "[";
+  bool contiguous = true;
+  int64_t expect = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    if (sizes[i] != 1 && strides[i] != expect)
+      contiguous = false;
+    expect *= sizes[i];
+  }
+  for (size_t i = 0; i < sizes.size(); ++i)
+    s += (i ? "," : "") + std::to_string(sizes[i]);
+  s += "]";
+  if (!contiguous) {
+    s += "{";
+    for (size_t i = 0; i < strides.size(); ++i)
+      s += (i ? "," : "") + std::to_string(strides[i]);
+    s += "}";
+  }
+  return s;
+}
+
+bool Arg::operator==(const Arg &o) const {
+  if (kind != o.kind)
+    return false;
+  if (kind == Kind::Double)
+    return std::memcmp(&d, &o.d, sizeof d) == 0;
+  return i == o.i;
+}
+
+std::string Hash128::hex() const {
+  char buf[33];
+  snprintf(buf, sizeof buf, "%016llx%016llx", (unsigned long long)hi, (unsigned long long)lo);
+  return buf;
+}
+
+bool Hash128::parse(StringRef text, Hash128 &out) {
+  if (text.size() != 32)
+    return false;
+  uint64_t hi, lo;
+  if (text.substr(0, 16).getAsInteger(16, hi) || text.substr(16).getAsInteger(16, lo))
+    return false;
+  out = {hi, lo};
+  return true;
+}
+
+uint32_t Graph::valueCount() const {
+  uint32_t n = inputs.size();
+  for (const Node &node : nodes)
+    n += node.outputs.size();
+  return n;
+}
+
+std::vector<const TensorMeta *> Graph::valueMetas() const {
+  std::vector<const TensorMeta *> metas;
+  metas.reserve(valueCount());
+  for (const TensorMeta &m : inputs)
+    metas.push_back(&m);
+  for (const Node &node : nodes)
+    for (const TensorMeta &m : node.outputs)
+      metas.push_back(&m);
+  return metas;
+}
+
+uint32_t Graph::addLocation(StringRef loc) {
+  if (loc.empty())
+    return 0;
+  if (locations.back() == loc)
+    return locations.size() - 1;
+  locations.push_back(loc.str());
+  return locations.size() - 1;
+}
+
+//===----------------------------------------------------------------------===//
+// Canonical form
+//===----------------------------------------------------------------------===//
+
+Canonical canonicalize(const Graph &g) {
+  const uint32_t nin = g.inputs.size();
+  // Owner of each node output value: (node index, output index).
+  std::vector<std::pair<uint32_t, uint32_t>> owner;
+  owner.reserve(g.valueCount() - nin);
+  for (uint32_t n = 0; n < g.nodes.size(); ++n)
+    for (uint32_t o = 0; o < g.nodes[n].outputs.size(); ++o)
+      owner.push_back({n, o});
+
+  // Pass 1: iterative depth-first walk from the outputs; records the post-order and numbers
+  // inputs by first use. Iterative because a long chain of ops is thousands of levels deep.
+  constexpr uint32_t kUnset = ~0u;
+  std::vector<uint32_t> newInput(nin, kUnset);
+  std::vector<uint8_t> state(g.nodes.size(), 0); // 0 new, 1 on stack, 2 emitted
+  std::vector<uint32_t> order;
+  Canonical c;
+  SmallVector<std::pair<uint32_t, uint32_t>, 64> stack; // (node, next operand)
+  auto touch = [&](uint32_t v) {
+    if (v < nin) {
+      if (newInput[v] == kUnset) {
+        newInput[v] = c.inputOrder.size();
+        c.inputOrder.push_back(v);
+      }
+      return;
+    }
+    uint32_t n = owner[v - nin].first;
+    if (state[n] == 0) {
+      state[n] = 1;
+      stack.push_back({n, 0});
+    }
+  };
+  for (uint32_t out : g.outputs) {
+    touch(out);
+    while (!stack.empty()) {
+      auto &[n, next] = stack.back();
+      const Node &node = g.nodes[n];
+      if (next < node.operands.size()) {
+        touch(node.operands[next++]);
+        continue;
+      }
+      state[n] = 2;
+      order.push_back(n);
+      stack.pop_back();
+    }
+  }
+
+  // Pass 2: emit nodes in that order with final value ids.
+  const uint32_t newNin = c.inputOrder.size();
+  std::vector<uint32_t> firstValue(g.nodes.size(), kUnset);
+  uint32_t nextValue = newNin;
+  for (uint32_t n : order) {
+    firstValue[n] = nextValue;
+    nextValue += g.nodes[n].outputs.size();
+  }
+  auto mapValue = [&](uint32_t v) {
+    if (v < nin)
+      return newInput[v];
+    auto [n, o] = owner[v - nin];
+    return firstValue[n] + o;
+  };
+  std::vector<uint32_t> newScalar(g.scalars.size(), kUnset);
+  Graph &out = c.graph;
+  for (uint32_t i : c.inputOrder)
+    out.inputs.push_back(g.inputs[i]);
+  out.nodes.reserve(order.size());
+  out.locations = g.locations;
+  for (uint32_t n : order) {
+    out.nodes.push_back(g.nodes[n]);
+    Node &node = out.nodes.back();
+    for (uint32_t &v : node.operands)
+      v = mapValue(v);
+    for (uint32_t &s : node.scalars) {
+      if (newScalar[s] == kUnset) {
+        newScalar[s] = c.scalarOrder.size();
+        c.scalarOrder.push_back(s);
+        out.scalars.push_back(g.scalars[s]);
+      }
+      s = newScalar[s];
+    }
+  }
+  for (uint32_t v : g.outputs)
+    out.outputs.push_back(mapValue(v));
+  c.hash = hashGraph(out);
+  return c;
+}
+
+//===----------------------------------------------------------------------===//
+// Hash
+//===----------------------------------------------------------------------===//
+
+namespace {
+/// Serialises the hashed parts of a graph into a flat byte string.
+class HashWriter {
+public:
+  std::string buf;
+  void u64(uint64_t v) { buf.append(reinterpret_cast<const char *>(&v), sizeof v); }
+  void str(StringRef s) {
+    u64(s.size());
+    buf.append(s.data(), s.size());
+  }
+  void meta(const TensorMeta &m) {
+    u64(uint64_t(uint8_t(m.dtype)) | uint64_t(m.sizes.size()) << 8);
+    for (int64_t s : m.sizes)
+      u64(s);
+    for (int64_t s : m.strides)
+      u64(s);
+  }
+};
+} // namespace
+
+Hash128 hashGraph(const Graph &g) {
+  HashWriter w;
+  w.buf.reserve(64 + g.nodes.size() * 96);
+  w.u64(0); // salt slot, see below
+  w.u64(g.inputs.size());
+  for (const TensorMeta &m : g.inputs)
+    w.meta(m);
+  w.u64(g.scalars.size());
+  for (const ScalarSlot &s : g.scalars)
+    w.u64(uint64_t(uint8_t(s.dtype)) | uint64_t(s.form) << 8);
+  w.u64(g.nodes.size());
+  for (const Node &n : g.nodes) {
+    w.str(n.op.str());
+    w.u64(n.args.size());
+    for (const Arg &a : n.args) {
+      w.u64(uint64_t(a.kind));
+      switch (a.kind) {
+      case Arg::Kind::Double: {
+        uint64_t bits;
+        std::memcpy(&bits, &a.d, sizeof bits);
+        w.u64(bits);
+        break;
+      }
+      case Arg::Kind::Str:
+      case Arg::Kind::Device:
+        w.str(size_t(a.i) < n.strings.size() ? StringRef(n.strings[a.i]) : StringRef());
+        break;
+      default:
+        w.u64(a.i);
+      }
+    }
+    w.u64(n.operands.size());
+    for (uint32_t v : n.operands)
+      w.u64(v);
+    w.u64(n.scalars.size());
+    for (uint32_t s : n.scalars)
+      w.u64(s);
+    w.u64(n.outputs.size());
+    for (const TensorMeta &m : n.outputs)
+      w.meta(m);
+  }
+  w.u64(g.outputs.size());
+  for (uint32_t v : g.outputs)
+    w.u64(v);
+  // Two independent 64-bit hashes: the second sees a different leading word.
+  Hash128 h;
+  h.hi = xxHash64(StringRef(w.buf));
+  uint64_t salt = 0x9e3779b97f4a7c15ull;
+  std::memcpy(&w.buf[0], &salt, sizeof salt);
+  h.lo = xxHash64(StringRef(w.buf));
+  return h;
+}
+
+//===----------------------------------------------------------------------===//
+// Structural verification
+//===----------------------------------------------------------------------===//
+
+std::string verifyStructure(const Graph &g) {
+  auto checkMeta = [](const TensorMeta &m) -> std::string {
+    if (!dtype::isValid(m.dtype))
+      return "invalid dtype " + std::to_string(int(m.dtype));
+    if (m.sizes.size() != m.strides.size())
+      return "sizes and strides differ in rank";
+    for (int64_t s : m.sizes)
+      if (s < 0)
+        return "negative size";
+    return "";
+  };
+  for (size_t i = 0; i < g.inputs.size(); ++i)
+    if (std::string e = checkMeta(g.inputs[i]); !e.empty())
+      return "input " + std::to_string(i) + ": " + e;
+  uint32_t defined = g.inputs.size();
+  for (size_t n = 0; n < g.nodes.size(); ++n) {
+    const Node &node = g.nodes[n];
+    std::string where = "node " + std::to_string(n) + " (" + node.op.str().str() + "): ";
+    for (uint32_t v : node.operands)
+      if (v >= defined)
+        return where + "operand %" + std::to_string(v) + " is not defined before use";
+    for (uint32_t s : node.scalars)
+      if (s >= g.scalars.size())
+        return where + "scalar slot " + std::to_string(s) + " out of range";
+    if (node.loc >= g.locations.size())
+      return where + "location out of range";
+    for (size_t a = 0; a < node.args.size(); ++a) {
+      const Arg &arg = node.args[a];
+      switch (arg.kind) {
+      case Arg::Kind::Tensor:
+        if (arg.i < 0 || size_t(arg.i) >= node.operands.size())
+          return where + "tensor argument out of range";
+        break;
+      case Arg::Kind::Scalar:
+        if (arg.i < 0 || size_t(arg.i) >= node.scalars.size())
+          return where + "scalar argument out of range";
+        break;
+      case Arg::Kind::Str:
+      case Arg::Kind::Device:
+        if (arg.i < 0 || size_t(arg.i) >= node.strings.size())
+          return where + "string argument out of range";
+        break;
+      case Arg::Kind::List:
+        if (arg.i < 0 || size_t(arg.i) > node.args.size() - a - 1)
+          return where + "list runs past the argument array";
+        for (int64_t k = 1; k <= arg.i; ++k)
+          if (node.args[a + k].kind == Arg::Kind::List)
+            return where + "nested list";
+        break;
+      default:
+        break;
+      }
+    }
+    for (const TensorMeta &m : node.outputs)
+      if (std::string e = checkMeta(m); !e.empty())
+        return where + e;
+    defined += node.outputs.size();
+  }
+  for (uint32_t v : g.outputs)
+    if (v >= defined)
+      return "output %" + std::to_string(v) + " is not defined";
+  for (const ScalarSlot &s : g.scalars)
+    if (!dtype::isValid(s.dtype) || uint8_t(s.form) > uint8_t(ScalarForm::Tensor0d))
+      return "invalid scalar slot";
+  return "";
+}
+
+//===----------------------------------------------------------------------===//
+// Printing
+//===----------------------------------------------------------------------===//
+
+namespace {
+void printArg(const Node &n, const Arg &a, raw_ostream &os) {
+  switch (a.kind) {
+  case Arg::Kind::None: os << "None"; break;
+  case Arg::Kind::Bool: os << (a.i ? "True" : "False"); break;
+  case Arg::Kind::Int: os << a.i; break;
+  case Arg::Kind::Double: os << a.d; break;
+  case Arg::Kind::Str: os << '"' << n.strings[a.i] << '"'; break;
+  case Arg::Kind::Device: os << "device(" << n.strings[a.i] << ")"; break;
+  case Arg::Kind::Tensor: os << "%" << n.operands[a.i]; break;
+  case Arg::Kind::Scalar: os << "$" << n.scalars[a.i]; break;
+  case Arg::Kind::List: break; // handled by printArgs
+  }
+}
+
+void printArgs(const Node &n, raw_ostream &os) {
+  for (size_t i = 0; i < n.args.size(); ++i) {
+    if (i)
+      os << ", ";
+    const Arg &a = n.args[i];
+    if (a.kind != Arg::Kind::List) {
+      printArg(n, a, os);
+      continue;
+    }
+    os << "[";
+    for (int64_t k = 1; k <= a.i; ++k) {
+      if (k > 1)
+        os << ", ";
+      printArg(n, n.args[i + k], os);
+    }
+    os << "]";
+    i += a.i;
+  }
+}
+
+/// Index of the node producing each value, or -1 for graph inputs.
+std::vector<int64_t> producers(const Graph &g) {
+  std::vector<int64_t> p(g.inputs.size(), -1);
+  for (size_t n = 0; n < g.nodes.size(); ++n)
+    p.insert(p.end(), g.nodes[n].outputs.size(), int64_t(n));
+  return p;
+}
+} // namespace
+
+void printText(const Graph &g, raw_ostream &os) {
+  auto metas = g.valueMetas();
+  for (size_t i = 0; i < g.inputs.size(); ++i)
+    os << "%" << i << " = input " << i << " : " << g.inputs[i].str() << "\n";
+  for (size_t s = 0; s < g.scalars.size(); ++s)
+    os << "$" << s << " = scalar " << dtype::name(g.scalars[s].dtype)
+       << (g.scalars[s].form == ScalarForm::Scalar ? "" : " tensor") << "\n";
+  uint32_t v = g.inputs.size();
+  for (const Node &n : g.nodes) {
+    std::string results;
+    for (size_t o = 0; o < n.outputs.size(); ++o)
+      results += (o ? ", %" : "%") + std::to_string(v + o);
+    os << (results.empty() ? "()" : results) << " = " << n.op.str() << "(";
+    printArgs(n, os);
+    os << ") : ";
+    for (size_t o = 0; o < n.outputs.size(); ++o)
+      os << (o ? ", " : "") << n.outputs[o].str();
+    if (n.loc)
+      os << "  # " << g.locations[n.loc];
+    os << "\n";
+    v += n.outputs.size();
+  }
+  os << "return (";
+  for (size_t i = 0; i < g.outputs.size(); ++i)
+    os << (i ? ", %" : "%") << g.outputs[i];
+  os << ")\n";
+}
+
+void printDot(const Graph &g, raw_ostream &os) {
+  std::vector<int64_t> producer = producers(g);
+  auto source = [&](uint32_t v) {
+    return producer[v] < 0 ? "v" + std::to_string(v) : "n" + std::to_string(producer[v]);
+  };
+  os << "digraph rgpu {\n  node [shape=box, fontname=\"monospace\"];\n";
+  for (size_t i = 0; i < g.inputs.size(); ++i)
+    os << "  v" << i << " [shape=ellipse, label=\"input " << i << "\\n" << g.inputs[i].str()
+       << "\"];\n";
+  for (size_t n = 0; n < g.nodes.size(); ++n) {
+    const Node &node = g.nodes[n];
+    os << "  n" << n << " [label=\"" << node.op.str() << "\\n";
+    for (size_t o = 0; o < node.outputs.size(); ++o)
+      os << (o ? ", " : "") << node.outputs[o].str();
+    os << "\"];\n";
+    for (uint32_t operand : node.operands)
+      os << "  " << source(operand) << " -> n" << n << ";\n";
+  }
+  for (size_t i = 0; i < g.outputs.size(); ++i)
+    os << "  out" << i << " [shape=ellipse, label=\"output " << i << "\"];\n  "
+       << source(g.outputs[i]) << " -> out" << i << ";\n";
+  os << "}\n";
+}
+
+} // namespace rgpu::ir

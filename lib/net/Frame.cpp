@@ -1,0 +1,216 @@
+#include "rgpu/net/Frame.h"
+
+#include <capnp/serialize-packed.h>
+#include <capnp/serialize.h>
+#include <kj/io.h>
+
+#include <cerrno>
+#include <cstring>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace rgpu::net {
+
+namespace {
+void putHeader(std::string &out, uint32_t flags, uint64_t length) {
+  char h[kHeaderBytes];
+  uint32_t magic = kMagic;
+  std::memcpy(h, &magic, 4);
+  std::memcpy(h + 4, &flags, 4);
+  std::memcpy(h + 8, &length, 8);
+  out.append(h, kHeaderBytes);
+}
+} // namespace
+
+std::string encodeFrame(capnp::MessageBuilder &message, bool pack) {
+  std::string out;
+  if (pack) {
+    kj::VectorOutputStream stream;
+    capnp::writePackedMessage(stream, message);
+    auto bytes = stream.getArray();
+    putHeader(out, kFlagPacked, bytes.size());
+    out.append(reinterpret_cast<const char *>(bytes.begin()), bytes.size());
+    return out;
+  }
+  auto words = capnp::messageToFlatArray(message);
+  auto bytes = words.asBytes();
+  out.reserve(kHeaderBytes + bytes.size());
+  putHeader(out, 0, bytes.size());
+  out.append(reinterpret_cast<const char *>(bytes.begin()), bytes.size());
+  return out;
+}
+
+std::unique_ptr<capnp::MessageReader> openFrame(const Frame &frame,
+                                                const capnp::ReaderOptions &options) {
+  auto bytes = frame.words.asBytes().slice(0, frame.bytes);
+  if (frame.flags & kFlagPacked) {
+    // The packed reader may pull segments lazily, so it must own the stream it reads from.
+    struct Owning : kj::ArrayInputStream, capnp::PackedMessageReader {
+      Owning(kj::ArrayPtr<const kj::byte> bytes, const capnp::ReaderOptions &options)
+          : kj::ArrayInputStream(bytes), capnp::PackedMessageReader(*this, options) {}
+    };
+    return std::make_unique<Owning>(bytes, options);
+  }
+  if (frame.bytes % sizeof(capnp::word) != 0)
+    KJ_FAIL_REQUIRE("frame length is not a whole number of words");
+  return std::make_unique<capnp::FlatArrayMessageReader>(
+      frame.words.slice(0, frame.bytes / sizeof(capnp::word)), options);
+}
+
+bool FrameDecoder::feed(const char *data, size_t n) {
+  if (!error_.empty())
+    return false;
+  while (n > 0) {
+    if (!inFrame_) {
+      size_t take = std::min(n, kHeaderBytes - headerFill_);
+      std::memcpy(header_ + headerFill_, data, take);
+      headerFill_ += take;
+      data += take;
+      n -= take;
+      if (headerFill_ < kHeaderBytes)
+        return true;
+      headerFill_ = 0;
+      uint32_t magic, flags;
+      uint64_t length;
+      std::memcpy(&magic, header_, 4);
+      std::memcpy(&flags, header_ + 4, 4);
+      std::memcpy(&length, header_ + 8, 8);
+      if (magic != kMagic) {
+        error_ = "not an rgpu frame (bad magic)";
+        return false;
+      }
+      if (flags & ~kFlagPacked) {
+        error_ = "unknown frame flags";
+        return false;
+      }
+      if (length > maxFrameBytes_) {
+        error_ = "frame of " + std::to_string(length) + " bytes exceeds the limit of " +
+                 std::to_string(maxFrameBytes_);
+        return false;
+      }
+      current_ = Frame();
+      current_.flags = flags;
+      current_.bytes = length;
+      current_.words = kj::heapArray<capnp::word>((length + 7) / 8);
+      filled_ = 0;
+      inFrame_ = true;
+    }
+    size_t take = std::min<uint64_t>(n, current_.bytes - filled_);
+    std::memcpy(reinterpret_cast<char *>(current_.words.begin()) + filled_, data, take);
+    filled_ += take;
+    data += take;
+    n -= take;
+    if (filled_ == current_.bytes) {
+      ready_.push_back(std::move(current_));
+      inFrame_ = false;
+    }
+  }
+  return true;
+}
+
+bool FrameDecoder::next(Frame &out) {
+  if (readyHead_ == ready_.size())
+    return false;
+  out = std::move(ready_[readyHead_++]);
+  if (readyHead_ == ready_.size()) {
+    ready_.clear();
+    readyHead_ = 0;
+  }
+  return true;
+}
+
+Socket::~Socket() { close(); }
+
+void Socket::close() {
+  if (fd_ >= 0)
+    ::close(fd_);
+  fd_ = -1;
+}
+
+bool Socket::connect(const std::string &host, int port, std::string &error) {
+  close();
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo *res = nullptr;
+  int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+  if (rc != 0) {
+    error = std::string("cannot resolve ") + host + ": " + gai_strerror(rc);
+    return false;
+  }
+  error = "no address";
+  for (addrinfo *a = res; a; a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0)
+      continue;
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      fd_ = fd;
+      break;
+    }
+    error = std::strerror(errno);
+    ::close(fd);
+  }
+  freeaddrinfo(res);
+  return fd_ >= 0;
+}
+
+bool Socket::sendAll(const std::string &data) {
+  size_t off = 0;
+  while (off < data.size()) {
+    ssize_t n = ::send(fd_, data.data() + off, data.size() - off, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0)
+      return false;
+    off += n;
+  }
+  return true;
+}
+
+Socket::Status Socket::receive(FrameDecoder &decoder, Frame &out, int timeoutMs) {
+  char buf[1 << 16];
+  while (!decoder.next(out)) {
+    pollfd p{fd_, POLLIN, 0};
+    int rc = ::poll(&p, 1, timeoutMs);
+    if (rc < 0 && errno == EINTR)
+      continue;
+    if (rc == 0)
+      return Status::Timeout;
+    if (rc < 0)
+      return Status::Error;
+    ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n == 0)
+      return Status::Closed;
+    if (n < 0)
+      return Status::Error;
+    if (!decoder.feed(buf, n))
+      return Status::Error;
+  }
+  return Status::Ok;
+}
+
+bool parseHostPort(const std::string &text, std::string &host, int &port) {
+  size_t colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0)
+    return false;
+  host = text.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  try {
+    size_t used = 0;
+    port = std::stoi(text.substr(colon + 1), &used);
+    return used == text.size() - colon - 1 && port > 0 && port < 65536;
+  } catch (...) {
+    return false;
+  }
+}
+
+} // namespace rgpu::net

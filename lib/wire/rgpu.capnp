@@ -1,0 +1,159 @@
+# The rgpu wire protocol. One ClientFrame or ServerFrame per frame (see rgpu/net/Frame.h).
+#
+# Steady state is one ClientFrame per training step carrying a Run (plus any piggybacked
+# releases and small uploads). A graph travels in full exactly once, in a Define.
+#
+# Sequence numbers and acknowledgements exist so that a dropped connection can later be resumed
+# without loss: the client numbers every frame, the server acknowledges the last frame it has
+# executed in each reply, and Hello carries the session id and the frame to resume from.
+@0xc4f1d7a3b2e5a901;
+
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("rgpu::wire");
+
+struct TensorMeta {
+  dtype @0 :Int8;
+  sizes @1 :List(Int64);
+  strides @2 :List(Int64);
+}
+
+# A flattened argument: a list arg with count N is followed by its N elements.
+struct Arg {
+  union {
+    none @0 :Void;
+    bool @1 :Bool;
+    int @2 :Int64;
+    double @3 :Float64;
+    str @4 :Text;
+    device @5 :Text;
+    tensor @6 :UInt32;   # index into Node.operands
+    scalar @7 :UInt32;   # index into Node.scalars
+    list @8 :UInt32;     # element count
+  }
+}
+
+struct Node {
+  op @0 :Text;            # "aten::add.Tensor"
+  args @1 :List(Arg);
+  operands @2 :List(UInt32);
+  scalars @3 :List(UInt32);
+  outputs @4 :List(TensorMeta);
+  loc @5 :UInt32;         # index into Graph.locations; not hashed
+}
+
+struct ScalarSlot {
+  dtype @0 :Int8;
+  form @1 :UInt8;         # 0 Scalar, 1 wrapped-number tensor, 2 0-dim tensor
+}
+
+struct Graph {
+  inputs @0 :List(TensorMeta);
+  scalars @1 :List(ScalarSlot);
+  nodes @2 :List(Node);
+  outputs @3 :List(UInt32);
+  locations @4 :List(Text);
+}
+
+struct Hash {
+  hi @0 :UInt64;
+  lo @1 :UInt64;
+}
+
+struct ScalarValue {
+  union {
+    int @0 :Int64;
+    double @1 :Float64;
+    bool @2 :Bool;
+    complex :group {
+      real @3 :Float64;
+      imag @4 :Float64;
+    }
+  }
+}
+
+struct Hello {
+  protocol @0 :UInt32;
+  torchVersion @1 :Text;
+  sessionId @2 :Data;     # 16 random bytes chosen by the client
+  authToken @3 :Text;     # reserved; empty today
+  resumeFrom @4 :UInt64;  # reserved for resuming; 0 starts a new session
+}
+
+struct Define {
+  hash @0 :Hash;
+  graph @1 :Graph;
+}
+
+struct Run {
+  hash @0 :Hash;
+  inputs @1 :List(UInt64);       # handles, in canonical input order
+  scalars @2 :List(ScalarValue); # in canonical slot order
+  firstOutput @3 :UInt64;        # output k binds handle firstOutput + k
+  replyMetas @4 :Bool;           # reply with the output metas (data-dependent shapes)
+}
+
+struct Upload {
+  handle @0 :UInt64;
+  meta @1 :TensorMeta;
+  offset @2 :UInt64;     # byte offset of this chunk
+  total @3 :UInt64;      # bytes of the whole tensor
+  data @4 :Data;
+}
+
+struct Download {
+  handle @0 :UInt64;
+  meta @1 :TensorMeta;   # the layout the client wants the bytes in
+}
+
+struct Command {
+  union {
+    hello @0 :Hello;
+    define @1 :Define;
+    run @2 :Run;
+    upload @3 :Upload;
+    download @4 :Download;
+    release @5 :List(UInt64);
+    seed @6 :UInt64;
+    sync @7 :Void;
+  }
+}
+
+struct ClientFrame {
+  seq @0 :UInt64;
+  wantReply @1 :Bool;    # the client blocks until the ServerFrame for this frame arrives
+  commands @2 :List(Command);
+}
+
+struct Error {
+  op @0 :Text;           # "aten::index_select" or empty for protocol errors
+  message @1 :Text;
+  location @2 :Text;     # the user's file:line recorded at trace time
+  kind @3 :Kind;
+  enum Kind {
+    remote @0;           # an op failed; the session goes on
+    protocol @1;         # the frame was malformed; the server closes the connection
+    version @2;          # Hello mismatch
+  }
+}
+
+struct HelloReply {
+  protocol @0 :UInt32;
+  torchVersion @1 :Text;
+  device @2 :Text;
+  compiler @3 :Text;
+}
+
+struct Result {
+  union {
+    hello @0 :HelloReply;
+    data @1 :Data;                 # a Download's bytes
+    metas @2 :List(TensorMeta);    # a Run with replyMetas
+    done @3 :Void;                 # a Sync
+  }
+}
+
+struct ServerFrame {
+  ackSeq @0 :UInt64;
+  results @1 :List(Result);    # one per Hello, Download, Sync and replyMetas Run, in order
+  error @2 :Error;             # the first error since the last reply; absent if none
+}

@@ -1,0 +1,162 @@
+#include "rgpu/ir/Graph.h"
+
+#include <gtest/gtest.h>
+#include <llvm/Support/raw_ostream.h>
+
+using namespace rgpu::ir;
+
+namespace {
+TensorMeta meta(llvm::ArrayRef<int64_t> sizes, int8_t dt = dtype::Float) {
+  TensorMeta m;
+  m.dtype = dt;
+  m.sizes.assign(sizes.begin(), sizes.end());
+  int64_t s = 1;
+  m.strides.resize(sizes.size());
+  for (size_t i = sizes.size(); i-- > 0;) {
+    m.strides[i] = s;
+    s *= sizes[i];
+  }
+  return m;
+}
+
+Node binary(const char *op, uint32_t a, uint32_t b, const TensorMeta &out) {
+  Node n;
+  n.op = Symbol::get(op);
+  n.operands = {a, b};
+  n.args = {Arg::ref(Arg::Kind::Tensor, 0), Arg::ref(Arg::Kind::Tensor, 1)};
+  n.outputs = {out};
+  return n;
+}
+
+/// x0 * x1 + x0 on two [4,8] inputs.
+Graph mulAdd(const TensorMeta &m = meta({4, 8})) {
+  Graph g;
+  g.inputs = {m, m};
+  g.nodes.push_back(binary("aten::mul.Tensor", 0, 1, m));
+  g.nodes.push_back(binary("aten::add.Tensor", 2, 0, m));
+  g.outputs = {3};
+  return g;
+}
+} // namespace
+
+TEST(Graph, HashIsStableUnderInputRenumbering) {
+  Graph a = mulAdd();
+  // The same program with its inputs listed the other way round.
+  Graph b = mulAdd();
+  b.nodes[0].operands = {1, 0};
+  b.nodes[1].operands = {2, 1};
+  Canonical ca = canonicalize(a), cb = canonicalize(b);
+  EXPECT_EQ(ca.hash, cb.hash);
+  EXPECT_EQ(ca.inputOrder, (llvm::SmallVector<uint32_t, 8>{0, 1}));
+  EXPECT_EQ(cb.inputOrder, (llvm::SmallVector<uint32_t, 8>{1, 0}));
+}
+
+TEST(Graph, HashChangesWithShapeDtypeAndOp) {
+  Hash128 base = canonicalize(mulAdd()).hash;
+  EXPECT_NE(base, canonicalize(mulAdd(meta({4, 9}))).hash);
+  EXPECT_NE(base, canonicalize(mulAdd(meta({4, 8}, dtype::BFloat16))).hash);
+  Graph op = mulAdd();
+  op.nodes[1].op = Symbol::get("aten::sub.Tensor");
+  EXPECT_NE(base, canonicalize(op).hash);
+  Graph strided = mulAdd();
+  strided.inputs[0].strides = {1, 4};
+  EXPECT_NE(base, canonicalize(strided).hash);
+}
+
+TEST(Graph, LiftedScalarValuesAreNotHashedButConstantsAre) {
+  auto withAlpha = [](Arg alpha) {
+    Graph g = mulAdd();
+    g.nodes[1].args.push_back(alpha);
+    if (alpha.kind == Arg::Kind::Scalar) {
+      g.scalars.push_back({dtype::Double, ScalarForm::Scalar});
+      g.nodes[1].scalars = {0};
+    }
+    return canonicalize(g).hash;
+  };
+  // A lifted scalar is a slot: its value travels with each run, so any lr gives one graph.
+  Hash128 lifted = withAlpha(Arg::ref(Arg::Kind::Scalar, 0));
+  EXPECT_EQ(lifted, withAlpha(Arg::ref(Arg::Kind::Scalar, 0)));
+  // A semantic constant (a dim, an eps) is part of the structure.
+  EXPECT_NE(withAlpha(Arg::real(0.5)), withAlpha(Arg::real(0.25)));
+  EXPECT_NE(lifted, withAlpha(Arg::real(0.5)));
+}
+
+TEST(Graph, UnusedTemporariesAreRemoved) {
+  Graph g = mulAdd();
+  auto m = meta({4, 8});
+  g.nodes.insert(g.nodes.begin(), binary("aten::div.Tensor", 0, 1, m)); // nobody uses %2
+  for (Node &n : g.nodes)
+    for (uint32_t &v : n.operands)
+      if (v >= 2 && &n != &g.nodes[0])
+        ++v;
+  g.outputs = {4};
+  Canonical c = canonicalize(g);
+  ASSERT_EQ(c.graph.nodes.size(), 2u);
+  EXPECT_EQ(c.hash, canonicalize(mulAdd()).hash);
+}
+
+TEST(Graph, CanonicalOrderIsPostOrderFromOutputs) {
+  // Two independent chains traced interleaved; canonical form groups each chain.
+  auto m = meta({2});
+  Graph g;
+  g.inputs = {m, m};
+  g.nodes.push_back(binary("aten::mul.Tensor", 0, 0, m)); // %2 chain A
+  g.nodes.push_back(binary("aten::mul.Tensor", 1, 1, m)); // %3 chain B
+  g.nodes.push_back(binary("aten::add.Tensor", 2, 2, m)); // %4 chain A
+  g.nodes.push_back(binary("aten::add.Tensor", 3, 3, m)); // %5 chain B
+  g.outputs = {4, 5};
+  Canonical c = canonicalize(g);
+  ASSERT_EQ(c.graph.nodes.size(), 4u);
+  EXPECT_EQ(c.graph.nodes[0].operands[0], 0u);
+  EXPECT_EQ(c.graph.nodes[1].operands[0], 2u); // add consumes the mul just before it
+  EXPECT_EQ(c.graph.nodes[2].operands[0], 1u);
+  EXPECT_EQ(c.graph.outputs, (llvm::SmallVector<uint32_t, 8>{3, 5}));
+  // The interleaving does not matter.
+  Graph h = g;
+  std::swap(h.nodes[1], h.nodes[2]);
+  h.nodes[1].operands = {2, 2};
+  h.nodes[2].operands = {1, 1};
+  h.nodes[3].operands = {4, 4};
+  h.outputs = {3, 5};
+  EXPECT_EQ(canonicalize(h).hash, c.hash);
+}
+
+TEST(Graph, DeepChainsDoNotOverflowTheStack) {
+  auto m = meta({1});
+  Graph g;
+  g.inputs = {m};
+  for (uint32_t i = 0; i < 200000; ++i)
+    g.nodes.push_back(binary("aten::add.Tensor", i, i, m));
+  g.outputs = {200000};
+  EXPECT_EQ(canonicalize(g).graph.nodes.size(), 200000u);
+}
+
+TEST(Graph, VerifierRejectsMalformedGraphs) {
+  EXPECT_EQ(verifyStructure(mulAdd()), "");
+  Graph forward = mulAdd();
+  forward.nodes[0].operands = {0, 3}; // uses a later value
+  EXPECT_NE(verifyStructure(forward), "");
+  Graph badArg = mulAdd();
+  badArg.nodes[0].args.push_back(Arg::ref(Arg::Kind::Tensor, 7));
+  EXPECT_NE(verifyStructure(badArg), "");
+  Graph badList = mulAdd();
+  badList.nodes[0].args.push_back(Arg::ref(Arg::Kind::List, 3));
+  EXPECT_NE(verifyStructure(badList), "");
+  Graph badDtype = mulAdd();
+  badDtype.inputs[0].dtype = 99;
+  EXPECT_NE(verifyStructure(badDtype), "");
+  Graph badOut = mulAdd();
+  badOut.outputs = {17};
+  EXPECT_NE(verifyStructure(badOut), "");
+}
+
+TEST(Graph, PrintsOneNodePerLine) {
+  Graph g = mulAdd();
+  g.nodes[1].loc = g.addLocation("train.py:12");
+  std::string text;
+  llvm::raw_string_ostream os(text);
+  printText(g, os);
+  EXPECT_NE(text.find("%3 = aten::add.Tensor(%2, %0) : f32[4,8]  # train.py:12"),
+            std::string::npos)
+      << text;
+}
