@@ -90,6 +90,7 @@ struct Run {
   scalars @2 :List(ScalarValue); # in canonical slot order
   firstOutput @3 :UInt64;        # output k binds handle firstOutput + k
   replyMetas @4 :Bool;           # reply with the output metas (data-dependent shapes)
+  numOutputs @5 :UInt32;         # lets the server poison the outputs of a graph it refused
 }
 
 struct Upload {
@@ -129,6 +130,8 @@ struct Error {
   message @1 :Text;
   location @2 :Text;     # the user's file:line recorded at trace time
   kind @3 :Kind;
+  graph @4 :Hash;        # the graph and node that failed, so the client can name the user's
+  node @5 :UInt32;       # line as of its latest run (locations are not part of the hash)
   enum Kind {
     remote @0;           # an op failed; the session goes on
     protocol @1;         # the frame was malformed; the server closes the connection

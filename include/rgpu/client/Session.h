@@ -1,0 +1,127 @@
+//===- rgpu/client/Session.h - The client's connection and graph cutter ----===//
+//
+// One Session per process talks to one rgpu-opserver. It owns the list of live lazy tensors,
+// cuts the pending trace into graphs at sync points, remembers which graph hashes the server
+// holds, and batches everything that needs no answer (releases, small uploads, runs) into the
+// next frame. Only a frame that needs a value back waits.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "rgpu/client/LazyTensor.h"
+#include "rgpu/net/Frame.h"
+#include "rgpu/wire/Wire.h"
+
+#include <ATen/core/Tensor.h>
+#include <llvm/ADT/DenseMap.h>
+#include <llvm/ADT/DenseSet.h>
+#include <llvm/ADT/StringMap.h>
+
+#include <atomic>
+#include <functional>
+#include <mutex>
+#include <map>
+#include <set>
+
+namespace rgpu::client {
+
+/// Counters reported by rgpu.stats().
+struct Stats {
+  std::atomic<uint64_t> messages{0}, waits{0}, bytesOut{0}, bytesIn{0}, graphsShipped{0},
+      graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0}, cuts{0};
+};
+
+/// How errors reach the user; the Python glue replaces the default (std::runtime_error) so that
+/// they surface as rgpu.RemoteError and rgpu.SessionLost.
+enum class ErrorKind { Remote, SessionLost };
+using ErrorRaiser = void (*)(ErrorKind, const std::string &);
+void setErrorRaiser(ErrorRaiser raiser);
+[[noreturn]] void raise(ErrorKind kind, const std::string &message);
+
+/// Returns the id of the user's current source line (see Session::location); set by Python.
+using LocationProvider = uint32_t (*)();
+void setLocationProvider(LocationProvider provider);
+
+class Session {
+public:
+  static Session &get();
+
+  /// Serialises tracing, cutting and I/O. Recursive: a cut releases tensors, whose destructors
+  /// take it again.
+  std::recursive_mutex mu;
+  Stats stats;
+
+  /// The server address ("host:port"); takes effect at the next connection.
+  void setServer(std::string address) { address_ = std::move(address); }
+  const std::string &server() const { return address_; }
+
+  // Live tensor registry.
+  void track(LazyTensorImpl *impl);
+  void untrack(LazyTensorImpl *impl);
+
+  /// A fresh node sequence number; also counts the op for the node cap.
+  uint64_t nextSeq();
+  /// Interns a source location ("file.py:12") and returns its id.
+  uint32_t internLocation(const std::string &loc);
+  uint32_t currentLocation();
+  const std::string &locationText(uint32_t id);
+
+  /// Cuts every live pending tensor into one graph and queues its run. With \p wait, blocks
+  /// until the server has executed it (and raises any pending error).
+  void markStep(bool wait);
+  /// Cuts if the trace has grown past the node cap (no wait).
+  void maybeCutAtCap();
+
+  /// The bytes of \p impl, in the layout of \p want (a dense layout of the same sizes).
+  at::Tensor download(LazyTensorImpl *impl, const ir::TensorMeta &want);
+  /// Uploads a CPU tensor; the bytes are copied now and sent without waiting for an answer.
+  Value upload(const at::Tensor &cpu, ir::TensorMeta &meta);
+  /// Runs \p node (whose inputs must all be device data) right away and returns its outputs'
+  /// metas as the server computed them: the path for data-dependent output shapes.
+  std::vector<std::pair<Value, ir::TensorMeta>> runNow(llvm::IntrusiveRefCntPtr<TraceNode> node);
+
+  void release(uint64_t handle);
+  void seed(uint64_t seed);
+  /// Waits until the server has executed everything sent so far.
+  void synchronize();
+  uint64_t liveTensors() const { return live_; }
+
+  /// After a lost connection every call raises SessionLost; this is why.
+  bool lost() const { return !lostReason_.empty(); }
+
+private:
+  Session();
+
+  struct Command;
+  void cut();
+  void queue(Command c);
+  /// Sends the queued commands as one frame. With \p wantReply, waits for the server's answer and
+  /// returns its results (in command order of the value-producing commands).
+  std::vector<std::string> flush(bool wantReply, std::vector<std::vector<ir::TensorMeta>> *metas = nullptr);
+  void connect();
+  [[noreturn]] void lose(const std::string &why);
+  uint64_t newHandles(uint64_t n) { uint64_t h = nextHandle_; nextHandle_ += n; return h; }
+  std::string describe(const wire::Error::Reader &e);
+
+  std::string address_;
+  net::Socket socket_;
+  std::unique_ptr<net::FrameDecoder> decoder_;
+  wire::Limits limits_;
+  std::string lostReason_;
+  uint64_t seq_ = 0;
+  uint64_t nextHandle_ = 1;
+  uint64_t nodeSeq_ = 0;
+  uint64_t nodesSinceCut_ = 0;
+  uint64_t live_ = 0;
+  LazyTensorImpl *head_ = nullptr;
+  std::vector<Command> queue_;
+  std::vector<uint64_t> releases_;
+  std::set<ir::Hash128> defined_;
+  /// Per graph hash, the location id of each node at its latest run: a remote error names the
+  /// user's line as it is now, whatever line first defined the graph.
+  std::map<ir::Hash128, std::vector<uint32_t>> nodeLocations_;
+  llvm::StringMap<uint32_t> locationIds_;
+  std::vector<std::string> locations_{std::string()};
+};
+
+} // namespace rgpu::client

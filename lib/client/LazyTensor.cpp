@@ -1,0 +1,68 @@
+#include "rgpu/client/LazyTensor.h"
+#include "rgpu/client/Session.h"
+
+#include <ATen/FunctionalTensorWrapper.h>
+
+namespace rgpu::client {
+
+DeviceData::~DeviceData() { Session::get().release(handle); }
+
+LazyTensorImpl::LazyTensorImpl(Value v, const ir::TensorMeta &meta)
+    : c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                      c10::scalarTypeToTypeMeta(static_cast<c10::ScalarType>(meta.dtype)),
+                      c10::Device(c10::DeviceType::PrivateUse1, 0)),
+      value(std::move(v)) {
+  set_sizes_and_strides(meta.sizes, meta.strides);
+  // There is no local storage to hand out: data_ptr() and friends raise instead of lying.
+  set_storage_access_should_throw();
+  Session::get().track(this);
+}
+
+LazyTensorImpl::~LazyTensorImpl() { Session::get().untrack(this); }
+
+ir::TensorMeta LazyTensorImpl::meta() const {
+  ir::TensorMeta m;
+  m.dtype = static_cast<int8_t>(dtype().toScalarType());
+  m.sizes.assign(sizes().begin(), sizes().end());
+  m.strides.assign(strides().begin(), strides().end());
+  return m;
+}
+
+c10::intrusive_ptr<c10::TensorImpl>
+LazyTensorImpl::shallow_copy_and_detach(const c10::VariableVersion &version_counter,
+                                        bool allow_tensor_metadata_change) const {
+  std::lock_guard<std::recursive_mutex> lock(Session::get().mu);
+  auto impl = c10::make_intrusive<LazyTensorImpl>(value, meta());
+  copy_tensor_metadata(this, impl.get(), version_counter, allow_tensor_metadata_change);
+  return impl;
+}
+
+c10::intrusive_ptr<c10::TensorImpl>
+LazyTensorImpl::shallow_copy_and_detach(c10::VariableVersion &&version_counter,
+                                        bool allow_tensor_metadata_change) const {
+  std::lock_guard<std::recursive_mutex> lock(Session::get().mu);
+  auto impl = c10::make_intrusive<LazyTensorImpl>(value, meta());
+  copy_tensor_metadata(this, impl.get(), std::move(version_counter), allow_tensor_metadata_change);
+  return impl;
+}
+
+void LazyTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl> &impl) {
+  auto *other = dynamic_cast<LazyTensorImpl *>(impl.get());
+  TORCH_INTERNAL_ASSERT(other, "rgpu: shallow_copy_from a tensor of another kind");
+  std::lock_guard<std::recursive_mutex> lock(Session::get().mu);
+  copy_tensor_metadata(other, this, version_counter(), allow_tensor_metadata_change());
+  value = other->value;
+}
+
+LazyTensorImpl *lazyImpl(const at::Tensor &t) {
+  if (!t.defined() || !t.device().is_privateuseone())
+    return nullptr;
+  if (at::functionalization::impl::isFunctionalTensor(t)) {
+    at::functionalization::impl::sync(t);
+    return dynamic_cast<LazyTensorImpl *>(
+        at::functionalization::impl::from_functional_tensor(t).unsafeGetTensorImpl());
+  }
+  return dynamic_cast<LazyTensorImpl *>(t.unsafeGetTensorImpl());
+}
+
+} // namespace rgpu::client

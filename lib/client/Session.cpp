@@ -1,0 +1,596 @@
+#include "rgpu/client/Session.h"
+
+#include <ATen/ATen.h>
+#include <torch/headeronly/version.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <random>
+
+namespace rgpu::client {
+
+namespace {
+ErrorRaiser gRaiser = nullptr;
+LocationProvider gLocation = nullptr;
+
+/// Frames below this size are packed; larger ones carry tensor bytes, which do not pack.
+constexpr uint64_t kPackBelow = 64 << 10;
+/// Uploads up to this size wait for the next frame; larger ones are sent at once.
+constexpr uint64_t kSmallUpload = 64 << 10;
+/// A trace that never syncs is cut (without waiting) after this many nodes.
+constexpr uint64_t kNodeCap = 20000;
+
+std::string localTorchVersion() {
+  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+         std::to_string(TORCH_VERSION_PATCH);
+}
+
+/// "2.13.0" -> "2.13": op schemas are stable within a minor release.
+std::string minorOf(const std::string &v) { return v.substr(0, v.find('.', v.find('.') + 1)); }
+} // namespace
+
+void setErrorRaiser(ErrorRaiser raiser) { gRaiser = raiser; }
+void setLocationProvider(LocationProvider provider) { gLocation = provider; }
+
+void raise(ErrorKind kind, const std::string &message) {
+  if (gRaiser)
+    gRaiser(kind, message);
+  throw std::runtime_error(message);
+}
+
+/// A command waiting for the next frame.
+struct Session::Command {
+  wire::Command::Which kind;
+  ir::Hash128 hash;
+  std::shared_ptr<const ir::Graph> graph;
+  std::vector<uint64_t> handles;
+  std::vector<ir::ScalarValue> scalars;
+  uint64_t handle = 0;
+  uint32_t count = 0;
+  bool replyMetas = false;
+  ir::TensorMeta meta;
+  at::Tensor data; ///< A private CPU copy of an upload's bytes.
+  uint64_t offset = 0, length = 0;
+};
+
+Session &Session::get() {
+  static Session *session = new Session(); // outlives every tensor, even at exit
+  return *session;
+}
+
+Session::Session() {
+  const char *env = std::getenv("RGPU_OPSERVER");
+  address_ = env && *env ? env : "127.0.0.1:9720";
+}
+
+void Session::track(LazyTensorImpl *impl) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  impl->next = head_;
+  if (head_)
+    head_->prev = impl;
+  head_ = impl;
+  ++live_;
+}
+
+void Session::untrack(LazyTensorImpl *impl) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  if (impl->prev)
+    impl->prev->next = impl->next;
+  else
+    head_ = impl->next;
+  if (impl->next)
+    impl->next->prev = impl->prev;
+  --live_;
+}
+
+uint64_t Session::nextSeq() {
+  ++nodesSinceCut_;
+  ++stats.opsTraced;
+  return ++nodeSeq_;
+}
+
+uint32_t Session::internLocation(const std::string &loc) {
+  auto [it, inserted] = locationIds_.try_emplace(loc, uint32_t(locations_.size()));
+  if (inserted)
+    locations_.push_back(loc);
+  return it->second;
+}
+
+uint32_t Session::currentLocation() { return gLocation ? gLocation() : 0; }
+
+const std::string &Session::locationText(uint32_t id) {
+  return id < locations_.size() ? locations_[id] : locations_[0];
+}
+
+void Session::release(uint64_t handle) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  if (!lost())
+    releases_.push_back(handle);
+}
+
+void Session::seed(uint64_t value) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  Command c;
+  c.kind = wire::Command::SEED;
+  c.handle = value;
+  queue(std::move(c));
+}
+
+void Session::queue(Command c) {
+  if (lost())
+    raise(ErrorKind::SessionLost, lostReason_);
+  queue_.push_back(std::move(c));
+}
+
+//===----------------------------------------------------------------------===//
+// Cutting the trace into a graph
+//===----------------------------------------------------------------------===//
+
+void Session::cut() {
+  // Live tensors with pending work, grouped by the value they hold.
+  struct Out {
+    TraceNode *node;
+    uint32_t index;
+    llvm::SmallVector<LazyTensorImpl *, 2> impls;
+  };
+  llvm::DenseMap<std::pair<TraceNode *, uint32_t>, uint32_t> outIndex;
+  std::vector<Out> outs;
+  for (LazyTensorImpl *impl = head_; impl; impl = impl->next) {
+    if (!impl->value.pending())
+      continue;
+    auto key = std::make_pair(impl->value.node.get(), impl->value.index);
+    auto [it, inserted] = outIndex.try_emplace(key, uint32_t(outs.size()));
+    if (inserted)
+      outs.push_back({key.first, key.second, {}});
+    outs[it->second].impls.push_back(impl);
+  }
+  nodesSinceCut_ = 0;
+  if (outs.empty())
+    return;
+  std::sort(outs.begin(), outs.end(), [](const Out &a, const Out &b) {
+    return a.node->seq != b.node->seq ? a.node->seq < b.node->seq : a.index < b.index;
+  });
+
+  // Every node the outputs need, in trace order (which is topological).
+  std::vector<TraceNode *> nodes;
+  llvm::DenseSet<TraceNode *> seen;
+  std::vector<TraceNode *> work;
+  for (const Out &o : outs)
+    if (seen.insert(o.node).second)
+      work.push_back(o.node);
+  while (!work.empty()) {
+    TraceNode *n = work.back();
+    work.pop_back();
+    nodes.push_back(n);
+    for (const Value &v : n->inputs)
+      if (v.pending() && seen.insert(v.node.get()).second)
+        work.push_back(v.node.get());
+  }
+  std::sort(nodes.begin(), nodes.end(),
+            [](const TraceNode *a, const TraceNode *b) { return a->seq < b->seq; });
+
+  // Number the raw graph: inputs by first sight, then node outputs in trace order.
+  ir::Graph g;
+  llvm::DenseMap<DeviceData *, uint32_t> inputIds;
+  std::vector<DeviceData *> inputData;
+  std::vector<ir::ScalarValue> scalarValues;
+  llvm::DenseMap<TraceNode *, uint32_t> firstValue;
+  llvm::DenseMap<uint32_t, uint32_t> locIds;
+  for (TraceNode *n : nodes)
+    for (const Value &v : n->inputs)
+      if (!v.pending() && inputIds.try_emplace(v.data.get(), uint32_t(inputData.size())).second) {
+        inputData.push_back(v.data.get());
+        g.inputs.push_back(v.data->meta);
+      }
+  uint32_t next = g.inputs.size();
+  g.nodes.reserve(nodes.size());
+  for (TraceNode *n : nodes) {
+    firstValue[n] = next;
+    g.nodes.push_back(n->node);
+    ir::Node &node = g.nodes.back();
+    node.operands.clear();
+    for (const Value &v : n->inputs)
+      node.operands.push_back(v.pending() ? firstValue.lookup(v.node.get()) + v.index
+                                          : inputIds.lookup(v.data.get()));
+    node.scalars.clear();
+    for (size_t s = 0; s < n->scalarSlots.size(); ++s) {
+      node.scalars.push_back(g.scalars.size());
+      g.scalars.push_back(n->scalarSlots[s]);
+      scalarValues.push_back(n->scalarValues[s]);
+    }
+    auto [it, inserted] = locIds.try_emplace(n->location, 0);
+    if (inserted)
+      it->second = g.addLocation(locationText(n->location));
+    node.loc = it->second;
+    next += node.outputs.size();
+  }
+  for (const Out &o : outs)
+    g.outputs.push_back(firstValue.lookup(o.node) + o.index);
+
+  ir::Canonical c = ir::canonicalize(g);
+  Command run;
+  run.kind = wire::Command::RUN;
+  run.hash = c.hash;
+  for (uint32_t i : c.inputOrder)
+    run.handles.push_back(inputData[i]->handle);
+  for (uint32_t s : c.scalarOrder)
+    run.scalars.push_back(scalarValues[s]);
+  run.count = outs.size();
+  run.handle = newHandles(outs.size());
+  // Remember where each canonical node came from, for error messages.
+  std::vector<uint32_t> &locs = nodeLocations_[c.hash];
+  locs.clear();
+  {
+    // Canonical nodes are a reordering of the raw ones; map through their locations table.
+    llvm::DenseMap<uint32_t, uint32_t> back;
+    for (auto [client, graphLoc] : locIds)
+      back[graphLoc] = client;
+    for (const ir::Node &node : c.graph.nodes)
+      locs.push_back(back.lookup(node.loc));
+  }
+  if (!defined_.count(c.hash)) {
+    Command def;
+    def.kind = wire::Command::DEFINE;
+    def.hash = c.hash;
+    def.graph = std::make_shared<const ir::Graph>(std::move(c.graph));
+    queue(std::move(def));
+    defined_.insert(c.hash);
+    ++stats.graphsShipped;
+  }
+  queue(std::move(run));
+  ++stats.graphRuns;
+  ++stats.cuts;
+
+  // The live tensors now hold device data; their traced nodes are released with them.
+  for (size_t k = 0; k < outs.size(); ++k) {
+    ir::TensorMeta meta = outs[k].node->node.outputs[outs[k].index];
+    llvm::IntrusiveRefCntPtr<DeviceData> data(new DeviceData(run.handle + k, std::move(meta)));
+    for (LazyTensorImpl *impl : outs[k].impls)
+      impl->value = Value{nullptr, 0, data};
+  }
+}
+
+void Session::markStep(bool wait) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  if (lost())
+    raise(ErrorKind::SessionLost, lostReason_);
+  cut();
+  if (wait) {
+    Command sync;
+    sync.kind = wire::Command::SYNC;
+    queue(std::move(sync));
+    flush(true);
+  } else if (!queue_.empty()) {
+    flush(false);
+  }
+}
+
+void Session::synchronize() { markStep(true); }
+
+void Session::maybeCutAtCap() {
+  if (nodesSinceCut_ >= kNodeCap)
+    markStep(false);
+}
+
+//===----------------------------------------------------------------------===//
+// Data in and out
+//===----------------------------------------------------------------------===//
+
+Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  // Take the bytes now: the caller may overwrite its tensor right after this returns.
+  at::Tensor cpu = src.is_non_overlapping_and_dense() && src.storage_offset() == 0
+                       ? src.clone(at::MemoryFormat::Preserve)
+                       : src.contiguous().clone();
+  if (cpu.is_conj() || cpu.is_neg())
+    cpu = cpu.resolve_conj().resolve_neg();
+  meta.dtype = static_cast<int8_t>(cpu.scalar_type());
+  meta.sizes.assign(cpu.sizes().begin(), cpu.sizes().end());
+  meta.strides.assign(cpu.strides().begin(), cpu.strides().end());
+  uint64_t total = meta.storageBytes();
+  uint64_t handle = newHandles(1);
+  uint64_t chunk = limits_.uploadChunkBytes;
+  for (uint64_t off = 0; off < total || off == 0; off += chunk) {
+    Command c;
+    c.kind = wire::Command::UPLOAD;
+    c.handle = handle;
+    c.meta = meta;
+    c.data = cpu;
+    c.offset = off;
+    c.length = std::min(chunk, total - off);
+    queue(std::move(c));
+    if (total > kSmallUpload)
+      flush(false);
+    if (total == 0)
+      break;
+  }
+  ++stats.uploads;
+  return Value{nullptr, 0, llvm::IntrusiveRefCntPtr<DeviceData>(new DeviceData(handle, meta))};
+}
+
+at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  if (lost())
+    raise(ErrorKind::SessionLost, lostReason_);
+  if (impl->value.pending())
+    cut();
+  Command c;
+  c.kind = wire::Command::DOWNLOAD;
+  c.handle = impl->value.data->handle;
+  c.meta = want;
+  queue(std::move(c));
+  std::vector<std::string> results = flush(true);
+  ++stats.downloads;
+  at::Tensor out = at::empty_strided(want.sizes, want.strides,
+                                     at::TensorOptions().dtype(static_cast<c10::ScalarType>(want.dtype)));
+  const std::string &bytes = results.back();
+  if (bytes.size() != uint64_t(want.storageBytes()))
+    lose("the server sent " + std::to_string(bytes.size()) + " bytes for a tensor of " +
+         std::to_string(want.storageBytes()));
+  if (!bytes.empty())
+    std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
+  return out;
+}
+
+std::vector<std::pair<Value, ir::TensorMeta>>
+Session::runNow(llvm::IntrusiveRefCntPtr<TraceNode> node) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  if (lost())
+    raise(ErrorKind::SessionLost, lostReason_);
+  cut(); // makes every input device data
+  ir::Graph g;
+  std::vector<uint64_t> handles;
+  g.nodes.push_back(node->node);
+  ir::Node &n = g.nodes.back();
+  n.operands.clear();
+  for (const Value &v : node->inputs) {
+    TORCH_INTERNAL_ASSERT(!v.pending(), "rgpu: input still pending after a cut");
+    n.operands.push_back(g.inputs.size());
+    g.inputs.push_back(v.data->meta);
+    handles.push_back(v.data->handle);
+  }
+  n.scalars.clear();
+  for (size_t s = 0; s < node->scalarSlots.size(); ++s) {
+    n.scalars.push_back(s);
+    g.scalars.push_back(node->scalarSlots[s]);
+  }
+  n.loc = g.addLocation(locationText(node->location));
+  for (uint32_t k = 0; k < n.outputs.size(); ++k)
+    g.outputs.push_back(g.inputs.size() + k);
+  ir::Canonical c = ir::canonicalize(g);
+  nodeLocations_[c.hash] = {node->location};
+  if (!defined_.count(c.hash)) {
+    Command def;
+    def.kind = wire::Command::DEFINE;
+    def.hash = c.hash;
+    def.graph = std::make_shared<const ir::Graph>(c.graph);
+    queue(std::move(def));
+    defined_.insert(c.hash);
+    ++stats.graphsShipped;
+  }
+  Command run;
+  run.kind = wire::Command::RUN;
+  run.hash = c.hash;
+  for (uint32_t i : c.inputOrder)
+    run.handles.push_back(handles[i]);
+  for (uint32_t s : c.scalarOrder)
+    run.scalars.push_back(node->scalarValues[s]);
+  run.count = n.outputs.size();
+  run.handle = newHandles(run.count);
+  run.replyMetas = true;
+  uint64_t first = run.handle;
+  queue(std::move(run));
+  ++stats.graphRuns;
+  std::vector<std::vector<ir::TensorMeta>> metas;
+  flush(true, &metas);
+  std::vector<std::pair<Value, ir::TensorMeta>> outs;
+  if (metas.empty() || metas.back().size() != n.outputs.size())
+    lose("the server answered a data-dependent op with the wrong number of outputs");
+  for (size_t k = 0; k < metas.back().size(); ++k) {
+    const ir::TensorMeta &m = metas.back()[k];
+    outs.push_back({Value{nullptr, 0, llvm::IntrusiveRefCntPtr<DeviceData>(new DeviceData(first + k, m))}, m});
+  }
+  return outs;
+}
+
+//===----------------------------------------------------------------------===//
+// The connection
+//===----------------------------------------------------------------------===//
+
+void Session::lose(const std::string &why) {
+  lostReason_ = "rgpu session lost: " + why +
+                ". Tensors on the server are gone; restart the program to start a new session.";
+  socket_.close();
+  queue_.clear();
+  releases_.clear();
+  raise(ErrorKind::SessionLost, lostReason_);
+}
+
+void Session::connect() {
+  std::string host;
+  int port = 0;
+  if (!net::parseHostPort(address_, host, port))
+    raise(ErrorKind::SessionLost,
+          "RGPU_OPSERVER='" + address_ + "' is not host:port (e.g. 127.0.0.1:9720)");
+  std::string error;
+  if (!socket_.connect(host, port, error))
+    raise(ErrorKind::SessionLost,
+          "cannot reach rgpu-opserver at " + address_ + " (" + error +
+              "). Start one with `rgpu-opserver --port " + std::to_string(port) +
+              "` on the GPU host, or point RGPU_OPSERVER at it (see `rgpu-run --help`).");
+  decoder_ = std::make_unique<net::FrameDecoder>(limits_.maxFrameBytes);
+  // Hello goes first in the first frame; the frame that triggered the connection follows it.
+  Command hello;
+  hello.kind = wire::Command::HELLO;
+  queue_.insert(queue_.begin(), std::move(hello));
+}
+
+std::string Session::describe(const wire::Error::Reader &e) {
+  std::string op = e.getOp();
+  std::string where = e.getLocation();
+  auto it = nodeLocations_.find(wire::decodeHash(e.getGraph()));
+  if (it != nodeLocations_.end() && e.getNode() < it->second.size() && it->second[e.getNode()])
+    where = locationText(it->second[e.getNode()]);
+  std::string msg = op.empty() ? std::string() : op + " failed on the server";
+  if (!where.empty())
+    msg += (msg.empty() ? "at " : " at ") + where;
+  if (!msg.empty())
+    msg += ": ";
+  return msg + std::string(e.getMessage());
+}
+
+std::vector<std::string> Session::flush(bool wantReply,
+                                        std::vector<std::vector<ir::TensorMeta>> *metas) {
+  if (lost())
+    raise(ErrorKind::SessionLost, lostReason_);
+  if (!socket_.connected()) {
+    connect();
+    wantReply = true; // the Hello reply is checked before anything else is trusted
+  }
+  if (queue_.empty() && releases_.empty() && !wantReply)
+    return {};
+  capnp::MallocMessageBuilder b;
+  auto frame = b.initRoot<wire::ClientFrame>();
+  frame.setSeq(++seq_);
+  frame.setWantReply(wantReply);
+  auto cmds = frame.initCommands(queue_.size() + (releases_.empty() ? 0 : 1));
+  uint64_t dataBytes = 0;
+  for (size_t i = 0; i < queue_.size(); ++i) {
+    Command &c = queue_[i];
+    auto cb = cmds[i];
+    switch (c.kind) {
+    case wire::Command::HELLO: {
+      auto h = cb.initHello();
+      h.setProtocol(wire::kProtocolVersion);
+      h.setTorchVersion(localTorchVersion());
+      std::random_device rd;
+      auto id = h.initSessionId(16);
+      for (auto &byte : id)
+        byte = rd();
+      break;
+    }
+    case wire::Command::DEFINE: {
+      auto d = cb.initDefine();
+      wire::encodeHash(c.hash, d.initHash());
+      wire::encodeGraph(*c.graph, d.initGraph());
+      break;
+    }
+    case wire::Command::RUN: {
+      auto r = cb.initRun();
+      wire::encodeHash(c.hash, r.initHash());
+      auto in = r.initInputs(c.handles.size());
+      for (size_t k = 0; k < c.handles.size(); ++k)
+        in.set(k, c.handles[k]);
+      auto sc = r.initScalars(c.scalars.size());
+      for (size_t k = 0; k < c.scalars.size(); ++k)
+        wire::encodeScalar(c.scalars[k], sc[k]);
+      r.setFirstOutput(c.handle);
+      r.setNumOutputs(c.count);
+      r.setReplyMetas(c.replyMetas);
+      break;
+    }
+    case wire::Command::UPLOAD: {
+      auto u = cb.initUpload();
+      u.setHandle(c.handle);
+      wire::encodeMeta(c.meta, u.initMeta());
+      u.setOffset(c.offset);
+      u.setTotal(c.meta.storageBytes());
+      u.setData(kj::arrayPtr(static_cast<const kj::byte *>(c.data.data_ptr()) + c.offset,
+                             c.length));
+      dataBytes += c.length;
+      break;
+    }
+    case wire::Command::DOWNLOAD: {
+      auto d = cb.initDownload();
+      d.setHandle(c.handle);
+      wire::encodeMeta(c.meta, d.initMeta());
+      break;
+    }
+    case wire::Command::SEED: cb.setSeed(c.handle); break;
+    case wire::Command::SYNC: cb.setSync(); break;
+    default: break;
+    }
+  }
+  if (!releases_.empty()) {
+    // Last: a handle released here may still be an input of a run in this very frame.
+    auto rel = cmds[queue_.size()].initRelease(releases_.size());
+    for (size_t k = 0; k < releases_.size(); ++k)
+      rel.set(k, releases_[k]);
+  }
+  std::vector<Command> sent;
+  sent.swap(queue_);
+  releases_.clear();
+  std::string bytes = net::encodeFrame(b, dataBytes < kPackBelow);
+  ++stats.messages;
+  stats.bytesOut += bytes.size();
+  if (!socket_.sendAll(bytes))
+    lose("the connection to rgpu-opserver at " + address_ + " closed");
+  if (!wantReply)
+    return {};
+
+  ++stats.waits;
+  net::Frame reply;
+  const char *env = std::getenv("RGPU_RECONNECT_SECONDS");
+  int budgetMs = (env ? std::atoi(env) : 30) * 1000;
+  (void)budgetMs;
+  switch (socket_.receive(*decoder_, reply, -1)) {
+  case net::Socket::Status::Ok: break;
+  case net::Socket::Status::Closed:
+    lose("rgpu-opserver at " + address_ + " closed the connection");
+  default:
+    lose("the connection to rgpu-opserver at " + address_ + " failed");
+  }
+  stats.bytesIn += reply.bytes + net::kHeaderBytes;
+  std::vector<std::string> results;
+  std::string error;
+  bool fatal = false;
+  try {
+    auto reader = net::openFrame(reply, wire::readerOptions(limits_, reply.bytes));
+    auto sf = reader->getRoot<wire::ServerFrame>();
+    for (auto r : sf.getResults()) {
+      switch (r.which()) {
+      case wire::Result::HELLO: {
+        auto h = r.getHello();
+        std::string theirs = h.getTorchVersion();
+        if (minorOf(theirs) != minorOf(localTorchVersion()))
+          lose("version mismatch: this client runs torch " + localTorchVersion() +
+               ", rgpu-opserver at " + address_ + " runs torch " + theirs +
+               "; install the same torch minor release on both sides");
+        if (h.getProtocol() != wire::kProtocolVersion)
+          lose("version mismatch: rgpu protocol " + std::to_string(wire::kProtocolVersion) +
+               " here, " + std::to_string(h.getProtocol()) + " on the server");
+        break;
+      }
+      case wire::Result::DATA: {
+        auto d = r.getData();
+        results.emplace_back(reinterpret_cast<const char *>(d.begin()), d.size());
+        break;
+      }
+      case wire::Result::METAS:
+        if (metas) {
+          metas->emplace_back();
+          for (auto m : r.getMetas()) {
+            metas->back().emplace_back();
+            wire::decodeMeta(m, metas->back().back());
+          }
+        }
+        break;
+      default: break;
+      }
+    }
+    if (sf.hasError()) {
+      error = describe(sf.getError());
+      fatal = sf.getError().getKind() != wire::Error::Kind::REMOTE;
+    }
+  } catch (const kj::Exception &e) {
+    lose(std::string("malformed reply from rgpu-opserver: ") + e.getDescription().cStr());
+  }
+  if (fatal)
+    lose(error);
+  if (!error.empty())
+    raise(ErrorKind::Remote, error);
+  return results;
+}
+
+} // namespace rgpu::client

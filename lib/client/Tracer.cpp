@@ -1,0 +1,505 @@
+//===- lib/client/Tracer.cpp - One boxed kernel records every aten op ------===//
+//
+// Every op on an rgpu tensor arrives here after autograd and functionalization, so it is always
+// functional. The kernel runs the same op on meta tensors to learn output sizes, strides and
+// dtype (shape errors raise right here, with PyTorch's own message, without contacting the
+// server), then appends a node to the trace and returns lazy tensors for its outputs.
+//
+// The only per-op code is the table in `special()`: the ops that move data between the client
+// and the server, and the ops whose output shape depends on data.
+//
+//===----------------------------------------------------------------------===//
+#include "rgpu/client/LazyTensor.h"
+#include "rgpu/client/Session.h"
+
+#include <ATen/ATen.h>
+#include <ATen/FunctionalTensorWrapper.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <llvm/ADT/StringSet.h>
+
+namespace rgpu::client {
+namespace {
+
+using ir::Arg;
+
+at::Tensor makeLazy(Value v, const ir::TensorMeta &m) {
+  return at::detail::make_tensor<LazyTensorImpl>(std::move(v), m);
+}
+
+ir::TensorMeta metaOf(const at::Tensor &t) {
+  ir::TensorMeta m;
+  m.dtype = static_cast<int8_t>(t.scalar_type());
+  m.sizes.assign(t.sizes().begin(), t.sizes().end());
+  m.strides.assign(t.strides().begin(), t.strides().end());
+  return m;
+}
+
+/// A dense layout for downloading \p m: its own if it is dense, else contiguous.
+ir::TensorMeta denseLayout(const ir::TensorMeta &m) {
+  at::Tensor probe = at::empty_strided(m.sizes, m.strides, at::TensorOptions().device(at::kMeta));
+  if (probe.is_non_overlapping_and_dense())
+    return m;
+  ir::TensorMeta c = m;
+  int64_t s = 1;
+  for (size_t i = c.sizes.size(); i-- > 0;) {
+    c.strides[i] = s;
+    s *= std::max<int64_t>(c.sizes[i], 1);
+  }
+  return c;
+}
+
+/// Ops whose output shapes depend on tensor data. They cannot be traced ahead: the graph is cut
+/// and the op runs on the server at once, which answers with the output shapes.
+bool isDataDependent(llvm::StringRef name) {
+  static const llvm::StringSet<> ops = {
+      "aten::nonzero",           "aten::masked_select",       "aten::unique_consecutive",
+      "aten::_unique",           "aten::_unique2",            "aten::unique_dim",
+      "aten::unique_dim_consecutive", "aten::bincount",       "aten::repeat_interleave",
+      "aten::_ctc_loss",         "aten::histc",
+  };
+  return ops.count(name) != 0;
+}
+
+/// Ops that accept CPU tensors with an rgpu self, as they do with CUDA: the CPU tensors are
+/// uploaded (copy's source, the index tensors of indexing).
+bool acceptsCpuTensors(llvm::StringRef name) {
+  return name == "aten::copy" || name == "aten::index" || name == "aten::index_put" ||
+         name == "aten::_index_put_impl";
+}
+
+/// Records one op: collects its arguments into a TraceNode and a meta-device twin of the stack.
+class Recorder {
+public:
+  Recorder(const c10::OperatorHandle &op, llvm::StringRef name)
+      : op_(op), name_(name), node_(new TraceNode) {
+    node_->node.op = ir::Symbol::get(fullName(op));
+  }
+
+  static std::string fullName(const c10::OperatorHandle &op) {
+    const auto &n = op.operator_name();
+    return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+  }
+
+  void addArgs(c10::ArrayRef<c10::IValue> args) {
+    const auto &schema = op_.schema();
+    for (size_t i = 0; i < args.size(); ++i)
+      addArg(args[i], schema.arguments()[i]);
+  }
+
+  bool dataDependent = false;
+
+  /// Computes output metas on the meta device. Returns false if the op's output shape depends on
+  /// data (or it has no meta kernel), in which case the caller runs it on the server at once.
+  bool inferMetas(std::vector<ir::TensorMeta> &outs) {
+    if (dataDependent || isDataDependent(name_))
+      return false;
+    try {
+      op_.callBoxed(meta_);
+    } catch (const c10::NotImplementedError &) {
+      return false; // no meta kernel: the server will tell us the shapes
+    } catch (const c10::Error &e) {
+      std::string msg = e.what_without_backtrace();
+      if (msg.find("data-dependent") != std::string::npos ||
+          msg.find("data dependent") != std::string::npos ||
+          msg.find("Cannot copy out of meta tensor") != std::string::npos ||
+          msg.find("meta tensor") != std::string::npos)
+        return false;
+      throw;
+    }
+    for (const c10::IValue &r : meta_) {
+      if (r.isTensor()) {
+        outs.push_back(metaOf(r.toTensor()));
+      } else if (r.isTensorList()) {
+        for (const at::Tensor &t : r.toTensorList())
+          outs.push_back(metaOf(t));
+      } else {
+        TORCH_CHECK_NOT_IMPLEMENTED(false, "rgpu: ", fullName(op_),
+                                    " returns a non-tensor value, which rgpu cannot trace");
+      }
+    }
+    return true;
+  }
+
+  llvm::IntrusiveRefCntPtr<TraceNode> node() { return node_; }
+
+private:
+  void addArg(const c10::IValue &v, const c10::Argument &sa) {
+    c10::TypePtr type = sa.type();
+    if (auto opt = type->cast<c10::OptionalType>()) {
+      if (v.isNone()) {
+        push(Arg::none(), v);
+        return;
+      }
+      type = opt->getElementType();
+    }
+    switch (type->kind()) {
+    case c10::TypeKind::TensorType:
+      addTensor(v.toTensor(), sa.name());
+      return;
+    case c10::TypeKind::NumberType:
+      addScalar(v.toScalar(), ir::ScalarForm::Scalar, v);
+      return;
+    case c10::TypeKind::DeviceObjType:
+      node_->node.args.push_back(Arg::ref(Arg::Kind::Device, node_->node.strings.size()));
+      node_->node.strings.push_back(v.toDevice().str());
+      meta_.emplace_back(c10::Device(at::kMeta));
+      return;
+    case c10::TypeKind::GeneratorType:
+      TORCH_CHECK_TYPE(false, "rgpu: ", fullName(op_), " was given an explicit generator=; rgpu "
+                       "tensors draw from the server's generator, seeded by torch.manual_seed");
+    case c10::TypeKind::ListType:
+      addList(v, type->containedType(0), sa.name());
+      return;
+    default:
+      push(constant(v, type, sa.name()), v);
+    }
+  }
+
+  Arg constant(const c10::IValue &v, const c10::TypePtr &type, const std::string &argName) {
+    switch (type->kind()) {
+    case c10::TypeKind::IntType:
+    case c10::TypeKind::SymIntType:
+    case c10::TypeKind::ScalarTypeType:
+    case c10::TypeKind::LayoutType:
+    case c10::TypeKind::MemoryFormatType:
+      return Arg::integer(v.isSymInt() ? v.toSymInt().expect_int() : v.toInt());
+    case c10::TypeKind::FloatType:
+      return Arg::real(v.toDouble());
+    case c10::TypeKind::BoolType:
+    case c10::TypeKind::SymBoolType:
+      return Arg::boolean(v.isSymBool() ? v.toSymBool().guard_bool(__FILE__, __LINE__) : v.toBool());
+    case c10::TypeKind::StringType:
+      node_->node.strings.push_back(v.toStringRef());
+      return Arg::ref(Arg::Kind::Str, node_->node.strings.size() - 1);
+    default:
+      TORCH_CHECK_NOT_IMPLEMENTED(false, "rgpu cannot carry argument '", argName, "' of type ",
+                                  type->str(), " of ", fullName(op_));
+    }
+  }
+
+  void push(Arg a, const c10::IValue &metaValue) {
+    node_->node.args.push_back(a);
+    meta_.push_back(metaValue);
+  }
+
+  void addList(const c10::IValue &v, c10::TypePtr elem, const std::string &argName) {
+    bool optional = false;
+    if (auto o = elem->cast<c10::OptionalType>()) {
+      optional = true;
+      elem = o->getElementType();
+    }
+    if (elem->kind() == c10::TypeKind::TensorType) {
+      // Tensor[] or Tensor?[]: each element becomes an operand (or None).
+      auto items = v.toListRef();
+      node_->node.args.push_back(Arg::ref(Arg::Kind::List, items.size()));
+      if (!optional) {
+        std::vector<at::Tensor> metas;
+        for (const c10::IValue &item : items)
+          metas.push_back(operand(item.toTensor(), argName, /*allowCpuScalar=*/false));
+        meta_.emplace_back(metas);
+        return;
+      }
+      c10::List<std::optional<at::Tensor>> metas;
+      for (const c10::IValue &item : items) {
+        if (item.isNone() || !item.toTensor().defined()) {
+          node_->node.args.push_back(Arg::none());
+          metas.push_back(std::nullopt);
+          continue;
+        }
+        const at::Tensor &t = item.toTensor();
+        if (t.scalar_type() == at::kBool || t.scalar_type() == at::kByte)
+          dataDependent = true; // boolean mask indexing: the result size is the mask's count
+        metas.push_back(operand(t, argName, false));
+      }
+      meta_.emplace_back(metas);
+      return;
+    }
+    if (elem->kind() == c10::TypeKind::NumberType) {
+      auto items = v.toListRef();
+      node_->node.args.push_back(Arg::ref(Arg::Kind::List, items.size()));
+      for (const c10::IValue &item : items)
+        liftScalar(item.toScalar(), ir::ScalarForm::Scalar);
+      meta_.push_back(v);
+      return;
+    }
+    std::vector<c10::IValue> items;
+    if (v.isIntList()) {
+      for (int64_t i : v.toIntList())
+        items.emplace_back(i);
+    } else {
+      for (const c10::IValue &i : v.toListRef())
+        items.push_back(i);
+    }
+    node_->node.args.push_back(Arg::ref(Arg::Kind::List, items.size()));
+    for (const c10::IValue &item : items)
+      node_->node.args.push_back(constant(item, elem, argName));
+    meta_.push_back(v);
+  }
+
+  void addTensor(const at::Tensor &t, const std::string &argName) {
+    if (!t.defined()) {
+      push(Arg::none(), c10::IValue());
+      return;
+    }
+    if (!lazyImpl(t) && t.device().is_cpu() && t.dim() == 0 && !acceptsCpuTensors(name_)) {
+      // A Python number (wrapped) or a CPU scalar tensor: lifted, so its value is not hashed.
+      addScalar(t.item(), t.unsafeGetTensorImpl()->is_wrapped_number() ? ir::ScalarForm::WrappedNumber
+                                                                       : ir::ScalarForm::Tensor0d,
+                t, t.scalar_type());
+      return;
+    }
+    at::Tensor m = operand(t, argName, true);
+    meta_.emplace_back(m);
+  }
+
+  /// Appends \p t as an operand and returns its meta twin.
+  at::Tensor operand(const at::Tensor &t, const std::string &argName, bool allowCpuScalar) {
+    Value v;
+    ir::TensorMeta meta;
+    if (LazyTensorImpl *impl = lazyImpl(t)) {
+      v = impl->value;
+      meta = impl->meta();
+    } else if (t.device().is_cpu() && acceptsCpuTensors(name_)) {
+      v = Session::get().upload(t, meta);
+    } else {
+      TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two "
+                  "devices, rgpu:0 and ", t.device(), "! (when checking argument '", argName,
+                  "' of ", fullName(op_), ")");
+    }
+    node_->node.args.push_back(Arg::ref(Arg::Kind::Tensor, node_->inputs.size()));
+    node_->inputs.push_back(std::move(v));
+    return at::empty_strided(meta.sizes, meta.strides,
+                             at::TensorOptions()
+                                 .dtype(static_cast<c10::ScalarType>(meta.dtype))
+                                 .device(at::kMeta));
+  }
+
+  void addScalar(const c10::Scalar &s, ir::ScalarForm form, const c10::IValue &metaValue,
+                 std::optional<at::ScalarType> dtype = std::nullopt) {
+    liftScalar(s, form, dtype);
+    meta_.push_back(metaValue);
+  }
+
+  void liftScalar(const c10::Scalar &s, ir::ScalarForm form,
+                  std::optional<at::ScalarType> dtype = std::nullopt) {
+    ir::ScalarValue value;
+    if (s.isComplex()) {
+      value.kind = ir::ScalarValue::Kind::Complex;
+      auto c = s.toComplexDouble();
+      value.d = c.real();
+      value.imag = c.imag();
+    } else if (s.isBoolean()) {
+      value.kind = ir::ScalarValue::Kind::Bool;
+      value.i = s.toBool();
+    } else if (s.isIntegral(false)) {
+      value.kind = ir::ScalarValue::Kind::Int;
+      value.i = s.toLong();
+    } else {
+      value.kind = ir::ScalarValue::Kind::Double;
+      value.d = s.toDouble();
+    }
+    node_->node.args.push_back(Arg::ref(Arg::Kind::Scalar, node_->scalarSlots.size()));
+    node_->scalarSlots.push_back({static_cast<int8_t>(dtype.value_or(s.type())), form});
+    node_->scalarValues.push_back(value);
+  }
+
+  const c10::OperatorHandle &op_;
+  llvm::StringRef name_;
+  llvm::IntrusiveRefCntPtr<TraceNode> node_;
+  torch::jit::Stack meta_;
+};
+
+/// Wraps outputs for the user unless we are already inside functionalization (which wraps them
+/// itself). Factories reach the backend directly, so their results are wrapped here.
+at::Tensor forUser(at::Tensor t) {
+  if (c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Functionalize))
+    return t;
+  return at::functionalization::impl::to_functional_tensor(t);
+}
+
+at::Tensor download(const at::Tensor &t) {
+  LazyTensorImpl *impl = lazyImpl(t);
+  return Session::get().download(impl, denseLayout(impl->meta()));
+}
+
+/// The special cases. Returns true if it handled the op.
+bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+  const size_t nargs = op.schema().arguments().size();
+  auto args = torch::jit::last(*stack, nargs);
+
+  // Download: .item(), bool(), and everything that reads one value.
+  if (name == "aten::_local_scalar_dense") {
+    c10::Scalar s = download(args[0].toTensor()).item();
+    torch::jit::drop(*stack, nargs);
+    stack->emplace_back(s);
+    return true;
+  }
+  // Download: .cpu(), .to("cpu"), .tolist(), printing.
+  if (name == "aten::_to_copy") {
+    auto device = args[3].toOptional<c10::Device>();
+    const at::Tensor &self = args[0].toTensor();
+    if (!lazyImpl(self)) {
+      // Upload: x.to("rgpu"). The dispatcher routes it here by its device argument.
+      auto dtype = args[1].toOptional<at::ScalarType>();
+      auto fmt = args[6].toOptional<at::MemoryFormat>();
+      at::Tensor src = self.to(dtype.value_or(self.scalar_type()), false, false,
+                               fmt.value_or(at::MemoryFormat::Preserve));
+      ir::TensorMeta meta;
+      Value v = Session::get().upload(src, meta);
+      torch::jit::drop(*stack, nargs);
+      stack->emplace_back(forUser(makeLazy(std::move(v), meta)));
+      return true;
+    }
+    if (!device || !device->is_cpu())
+      return false;
+    at::Tensor cpu = download(args[0].toTensor());
+    if (auto dtype = args[1].toOptional<at::ScalarType>(); dtype && *dtype != cpu.scalar_type())
+      cpu = cpu.to(*dtype);
+    if (auto fmt = args[6].toOptional<at::MemoryFormat>(); fmt && *fmt != at::MemoryFormat::Preserve)
+      cpu = cpu.contiguous(*fmt);
+    torch::jit::drop(*stack, nargs);
+    stack->emplace_back(cpu);
+    return true;
+  }
+  // Download into an existing CPU tensor: cpu_tensor.copy_(rgpu_tensor).
+  if (name == "aten::_copy_from" || name == "aten::_copy_from_and_resize") {
+    at::Tensor src = args[0].toTensor(), dst = args[1].toTensor();
+    TORCH_CHECK(lazyImpl(src) && dst.device().is_cpu(),
+                "rgpu: unsupported copy from ", src.device(), " to ", dst.device());
+    at::Tensor cpu = download(src);
+    if (name == "aten::_copy_from_and_resize")
+      dst.resize_(cpu.sizes());
+    dst.copy_(cpu);
+    torch::jit::drop(*stack, nargs);
+    stack->emplace_back(dst);
+    return true;
+  }
+  // Upload: x.to("rgpu") is empty() followed by copy() from the CPU tensor. When the copy
+  // replaces the whole tensor, the uploaded data is the result.
+  if (name == "aten::copy") {
+    at::Tensor self = args[0].toTensor(), src = args[1].toTensor();
+    if (!src.device().is_cpu() || lazyImpl(src) || src.sizes() != self.sizes() ||
+        src.scalar_type() != self.scalar_type())
+      return false;
+    ir::TensorMeta meta;
+    Value v = Session::get().upload(src, meta);
+    torch::jit::drop(*stack, nargs);
+    stack->emplace_back(forUser(makeLazy(std::move(v), meta)));
+    return true;
+  }
+  return false;
+}
+
+void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+  Session &session = Session::get();
+  std::lock_guard<std::recursive_mutex> lock(session.mu);
+  const auto &schema = op.schema();
+  llvm::StringRef name = op.operator_name().name;
+  if (special(name, op, stack))
+    return;
+  TORCH_CHECK(!schema.is_mutable(), "rgpu: ", Recorder::fullName(op),
+              " mutates its input but reached the rgpu backend without functionalization");
+
+  const size_t nargs = schema.arguments().size();
+  Recorder rec(op, name);
+  rec.addArgs(torch::jit::last(*stack, nargs));
+  std::vector<ir::TensorMeta> metas;
+  bool traced = rec.inferMetas(metas);
+  llvm::IntrusiveRefCntPtr<TraceNode> node = rec.node();
+  node->location = session.currentLocation();
+  node->seq = session.nextSeq();
+
+  std::vector<at::Tensor> outs;
+  if (traced) {
+    node->node.outputs.assign(metas.begin(), metas.end());
+    for (uint32_t i = 0; i < metas.size(); ++i)
+      outs.push_back(makeLazy(Value{node, i, nullptr}, metas[i]));
+  } else {
+    size_t count = schema.returns().size();
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        std::all_of(schema.returns().begin(), schema.returns().end(),
+                    [](const c10::Argument &r) { return r.type()->kind() == c10::TypeKind::TensorType; }),
+        "rgpu: ", Recorder::fullName(op), " has data-dependent output shapes and returns a list");
+    node->node.outputs.assign(count, ir::TensorMeta());
+    for (auto &[value, meta] : session.runNow(node))
+      outs.push_back(makeLazy(std::move(value), meta));
+  }
+  torch::jit::drop(*stack, nargs);
+  bool listReturn = schema.returns().size() == 1 &&
+                    schema.returns()[0].type()->kind() == c10::TypeKind::ListType;
+  if (listReturn) {
+    c10::List<at::Tensor> list;
+    for (at::Tensor &t : outs)
+      list.push_back(forUser(std::move(t)));
+    stack->emplace_back(std::move(list));
+  } else {
+    for (at::Tensor &t : outs)
+      stack->emplace_back(forUser(std::move(t)));
+  }
+  session.maybeCutAtCap();
+}
+
+/// rgpu has one logical device and no streams: a guard has nothing to switch.
+struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
+  c10::Device exchangeDevice(c10::Device) const override { return {type(), 0}; }
+  c10::Device getDevice() const override { return {type(), 0}; }
+  void setDevice(c10::Device) const override {}
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device d) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override { return s; }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  void record(void **, const c10::Stream &, const c10::DeviceIndex,
+              const c10::EventFlag) const override {}
+  void block(void *, const c10::Stream &) const override {}
+  bool queryEvent(void *) const override { return true; }
+  void destroyEvent(void *, const c10::DeviceIndex) const noexcept override {}
+  void synchronizeDevice(const c10::DeviceIndex) const override { Session::get().synchronize(); }
+};
+
+} // namespace
+
+void registerWholeOps() {
+  // Composite kernels outrank a backend fallback in the dispatcher, and the generated ones
+  // implement functional ops through their out= variants: the backend would then see mutations.
+  // So every functional aten op with a CompositeExplicitAutograd(NonFunctional) kernel gets this
+  // same boxed kernel: rgpu records it whole, and the server runs its real kernel.
+  // CompositeImplicitAutograd ops still decompose above autograd, before functionalization.
+  static torch::Library *lib = new torch::Library(
+      torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  auto &dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName &name : dispatcher.getAllOpNames()) {
+    llvm::StringRef full(name.name);
+    if (!full.consume_front("aten::"))
+      continue;
+    auto op = dispatcher.findOp(name);
+    if (!op || op->schema().is_mutable() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1))
+      continue;
+    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
+      continue;
+    std::string impl = full.str();
+    if (!name.overload_name.empty())
+      impl += "." + name.overload_name;
+    lib->impl(impl.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  }
+}
+
+} // namespace rgpu::client
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, rgpu::client::GuardImpl);
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&rgpu::client::fallback>());
+}
+
+// Composite kernels would otherwise win over the fallback for these; rgpu needs to see them whole.
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_to_copy", torch::CppFunction::makeFromBoxedFunction<&rgpu::client::fallback>());
+}

@@ -1,0 +1,116 @@
+//===- python/src/_C.cpp - rgpu._C: the Python face of the client ----------===//
+//
+// Thin bindings: error classes, the user's source line for each traced op, stats, mark_step.
+// Everything else is in lib/client.
+//
+//===----------------------------------------------------------------------===//
+#include "rgpu/client/Session.h"
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/extension.h>
+
+#include <frameobject.h>
+
+#include <llvm/ADT/DenseMap.h>
+
+namespace py = pybind11;
+using namespace rgpu::client;
+
+namespace {
+
+PyObject *gRemoteError = nullptr;
+PyObject *gSessionLost = nullptr;
+std::string gSkipPrefixes[2]; // torch's and rgpu's own directories
+
+[[noreturn]] void raisePython(ErrorKind kind, const std::string &message) {
+  py::gil_scoped_acquire gil;
+  PyErr_SetString(kind == ErrorKind::Remote ? gRemoteError : gSessionLost, message.c_str());
+  throw python_error();
+}
+
+/// The innermost frame outside torch and rgpu: the user's line. Decisions are cached per code
+/// object (kept alive by the cache), so a training loop costs a few pointer lookups per op.
+uint32_t userLocation() {
+  if (!Py_IsInitialized())
+    return 0;
+  py::gil_scoped_acquire gil;
+  static llvm::DenseMap<PyCodeObject *, bool> skip;
+  PyFrameObject *frame = PyEval_GetFrame();
+  if (frame)
+    Py_INCREF(frame);
+  uint32_t id = 0;
+  while (frame) {
+    PyCodeObject *code = PyFrame_GetCode(frame);
+    auto [it, inserted] = skip.try_emplace(code, false);
+    if (inserted) {
+      Py_INCREF(code);
+      const char *file = PyUnicode_AsUTF8(code->co_filename);
+      std::string f = file ? file : "";
+      for (const std::string &p : gSkipPrefixes)
+        if (!p.empty() && f.compare(0, p.size(), p) == 0)
+          it->second = true;
+    }
+    bool skipped = it->second;
+    if (!skipped) {
+      const char *file = PyUnicode_AsUTF8(code->co_filename);
+      id = Session::get().internLocation(std::string(file ? file : "?") + ":" +
+                                         std::to_string(PyFrame_GetLineNumber(frame)));
+    }
+    Py_DECREF(code);
+    if (!skipped) {
+      Py_DECREF(frame);
+      break;
+    }
+    PyFrameObject *back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+  }
+  return id;
+}
+
+} // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "rgpu native client";
+  m.def("_install", [](py::object remoteError, py::object sessionLost, std::string torchDir,
+                       std::string rgpuDir) {
+    gRemoteError = remoteError.release().ptr();
+    gSessionLost = sessionLost.release().ptr();
+    gSkipPrefixes[0] = std::move(torchDir);
+    gSkipPrefixes[1] = std::move(rgpuDir);
+    setErrorRaiser(&raisePython);
+    setLocationProvider(&userLocation);
+    registerWholeOps();
+  });
+  m.def("set_server", [](std::string address) {
+    std::lock_guard<std::recursive_mutex> lock(Session::get().mu);
+    Session::get().setServer(std::move(address));
+  });
+  m.def("server", []() { return Session::get().server(); });
+  m.def(
+      "mark_step", [](bool wait) { Session::get().markStep(wait); }, py::arg("wait") = false,
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "synchronize", []() { Session::get().synchronize(); },
+      py::call_guard<py::gil_scoped_release>());
+  m.def("seed", [](uint64_t seed) { Session::get().seed(seed); });
+  m.def("stats", []() {
+    Stats &s = Session::get().stats;
+    py::dict d;
+    d["messages"] = s.messages.load();
+    d["waits"] = s.waits.load();
+    d["bytes_out"] = s.bytesOut.load();
+    d["bytes_in"] = s.bytesIn.load();
+    d["graphs_shipped"] = s.graphsShipped.load();
+    d["graph_runs"] = s.graphRuns.load();
+    d["ops_traced"] = s.opsTraced.load();
+    d["uploads"] = s.uploads.load();
+    d["downloads"] = s.downloads.load();
+    d["live_tensors"] = Session::get().liveTensors();
+    return d;
+  });
+  m.def("is_pending", [](const at::Tensor &t) {
+    LazyTensorImpl *impl = lazyImpl(t);
+    return impl && impl->value.pending();
+  });
+}

@@ -1,0 +1,434 @@
+#include "Plan.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/jit_type.h>
+#include <c10/core/InferenceMode.h>
+
+#include <llvm/ADT/StringSet.h>
+
+namespace rgpu::server {
+
+using ir::Arg;
+
+namespace {
+
+/// Ops refused whatever their arguments. Each reads or writes outside the tensors of the
+/// session: the server's files, raw memory addresses, or process-wide state.
+const llvm::StringSet<> &denylist() {
+  static const llvm::StringSet<> names = {
+      "aten::from_file",                    // reads a file on the server
+      "aten::_nested_view_from_buffer",     // reinterprets raw buffers
+      "aten::_nested_view_from_buffer_copy",
+      "aten::_nested_view_from_jagged",
+      "aten::_nested_view_from_jagged_copy",
+      "aten::_print",                       // writes to the server's stdout
+      "aten::_async_error",                 // raises asynchronously on the device
+      "aten::_cufft_set_plan_cache_max_size", // process-wide state
+      "aten::_cufft_clear_plan_cache",
+      "aten::set_",                         // swaps storages
+  };
+  return names;
+}
+
+/// View ops whose result depends on the operand's actual memory layout; their operands are given
+/// exactly the layout the client saw before they run.
+bool isLayoutSensitive(llvm::StringRef base) {
+  return base == "aten::as_strided_copy" || base == "aten::as_strided_scatter" ||
+         base == "aten::as_strided";
+}
+
+/// Functionalization turns views into *_copy ops; in a functional graph nothing is ever written
+/// in place, so the view itself is safe and saves a copy. Returns the op to run instead, or the
+/// op itself.
+c10::OperatorName viewFor(const c10::OperatorName &name) {
+  llvm::StringRef base(name.name);
+  if (!base.endswith("_copy") || isLayoutSensitive(base))
+    return name;
+  std::string view = base.drop_back(5).str();
+  // view() fails on layouts it cannot view without a copy; reshape views when it can.
+  if (view == "aten::view" && name.overload_name.empty())
+    return {"aten::reshape", ""};
+  c10::OperatorName candidate{view, name.overload_name};
+  auto handle = c10::Dispatcher::singleton().findSchema(candidate);
+  if (!handle)
+    return name;
+  auto copySchema = c10::Dispatcher::singleton().findSchema(name);
+  if (!copySchema || copySchema->schema().arguments().size() != handle->schema().arguments().size())
+    return name;
+  return candidate;
+}
+
+std::string kindName(Arg::Kind k) {
+  switch (k) {
+  case Arg::Kind::None: return "None";
+  case Arg::Kind::Bool: return "bool";
+  case Arg::Kind::Int: return "int";
+  case Arg::Kind::Double: return "float";
+  case Arg::Kind::Str: return "str";
+  case Arg::Kind::Device: return "Device";
+  case Arg::Kind::Tensor: return "Tensor";
+  case Arg::Kind::Scalar: return "Scalar";
+  case Arg::Kind::List: return "list";
+  }
+  return "?";
+}
+
+/// A constant IValue for a non-tensor arg of schema type \p type, or an error.
+bool constant(const c10::TypePtr &type, const Arg &a, const ir::Node &n, c10::IValue &out) {
+  switch (type->kind()) {
+  case c10::TypeKind::IntType:
+  case c10::TypeKind::SymIntType:
+  case c10::TypeKind::ScalarTypeType:
+  case c10::TypeKind::LayoutType:
+  case c10::TypeKind::MemoryFormatType:
+    if (a.kind != Arg::Kind::Int)
+      return false;
+    out = a.i;
+    return true;
+  case c10::TypeKind::FloatType:
+    if (a.kind == Arg::Kind::Double)
+      out = a.d;
+    else if (a.kind == Arg::Kind::Int)
+      out = double(a.i);
+    else
+      return false;
+    return true;
+  case c10::TypeKind::BoolType:
+  case c10::TypeKind::SymBoolType:
+    if (a.kind != Arg::Kind::Bool)
+      return false;
+    out = a.i != 0;
+    return true;
+  case c10::TypeKind::StringType:
+    if (a.kind != Arg::Kind::Str)
+      return false;
+    out = n.strings[a.i];
+    return true;
+  default:
+    return false;
+  }
+}
+
+} // namespace
+
+at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta) {
+  if (t.strides().equals(meta.strides) && t.storage_offset() == 0)
+    return t;
+  at::Tensor r = at::empty_strided(meta.sizes, meta.strides, t.options());
+  r.copy_(t);
+  return r;
+}
+
+std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error) {
+  std::unique_ptr<Plan> plan(new Plan());
+  plan->graph_ = std::move(graph);
+  if (std::string e = ir::verifyStructure(plan->graph_); !e.empty()) {
+    error = e;
+    return nullptr;
+  }
+  plan->metas_ = plan->graph_.valueMetas();
+  uint32_t next = plan->graph_.inputs.size();
+  for (uint32_t n = 0; n < plan->graph_.nodes.size(); ++n) {
+    if (std::string e = plan->addStep(n, next); !e.empty()) {
+      error = "node " + std::to_string(n) + " (" + plan->graph_.nodes[n].op.str().str() + "): " + e;
+      return nullptr;
+    }
+    next += plan->graph_.nodes[n].outputs.size();
+  }
+  // Free every intermediate after its last use; graph outputs and inputs are never freed here.
+  std::vector<int64_t> lastUse(next, -1);
+  for (size_t s = 0; s < plan->steps_.size(); ++s)
+    for (uint32_t v : plan->graph_.nodes[plan->steps_[s].node].operands)
+      lastUse[v] = s;
+  for (uint32_t v : plan->graph_.outputs)
+    lastUse[v] = -1;
+  for (uint32_t v = plan->graph_.inputs.size(); v < next; ++v)
+    if (lastUse[v] >= 0)
+      plan->steps_[lastUse[v]].release.push_back(v);
+  return plan;
+}
+
+std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
+  const ir::Node &n = graph_.nodes[nodeIndex];
+  llvm::StringRef full = n.op.str();
+  auto [base, overload] = ir::splitOpName(full);
+  if (!base.startswith("aten::"))
+    return "only aten ops are accepted";
+  if (denylist().count(base))
+    return "refused: " + base.str() + " reaches outside the session's tensors";
+  c10::OperatorName name{base.str(), overload.str()};
+  auto handle = c10::Dispatcher::singleton().findSchema(name);
+  if (!handle)
+    return "unknown op";
+  const c10::FunctionSchema &schema = handle->schema();
+  if (schema.is_mutable())
+    return "refused: the op mutates its inputs; graphs are functional";
+  for (const auto &ret : schema.returns()) {
+    auto k = ret.type()->kind();
+    bool tensorList = k == c10::TypeKind::ListType &&
+                      ret.type()->containedType(0)->kind() == c10::TypeKind::TensorType;
+    if (k != c10::TypeKind::TensorType && !tensorList)
+      return "refused: returns a non-tensor value";
+    if (tensorList && schema.returns().size() != 1)
+      return "unsupported return signature";
+  }
+  bool listReturn = schema.returns().size() == 1 &&
+                    schema.returns()[0].type()->kind() == c10::TypeKind::ListType;
+  if (!listReturn && schema.returns().size() != n.outputs.size())
+    return "expects " + std::to_string(schema.returns().size()) + " outputs, graph has " +
+           std::to_string(n.outputs.size());
+
+  Step step;
+  step.node = nodeIndex;
+  step.firstOutput = firstOutput;
+  step.numOutputs = n.outputs.size();
+  step.restrideOperands = isLayoutSensitive(base);
+  c10::OperatorName runName = viewFor(name);
+  step.op = runName == name ? *handle : *c10::Dispatcher::singleton().findSchema(runName);
+
+  size_t a = 0;
+  auto take = [&]() -> const Arg * { return a < n.args.size() ? &n.args[a++] : nullptr; };
+  for (const c10::Argument &sa : schema.arguments()) {
+    const Arg *arg = take();
+    if (!arg)
+      return "too few arguments for " + schema.name();
+    c10::TypePtr type = sa.type();
+    std::string where = "argument '" + sa.name() + "'";
+    if (auto opt = type->cast<c10::OptionalType>()) {
+      if (arg->kind == Arg::Kind::None) {
+        if (opt->getElementType()->kind() == c10::TypeKind::GeneratorType) {
+          step.slots.push_back({Slot::Generator});
+          continue;
+        }
+        step.slots.push_back({Slot::Const, uint32_t(step.consts.size())});
+        step.consts.emplace_back();
+        continue;
+      }
+      type = opt->getElementType();
+    }
+    auto mismatch = [&]() {
+      return where + " expects " + type->str() + ", got " + kindName(arg->kind);
+    };
+    switch (type->kind()) {
+    case c10::TypeKind::TensorType:
+      // A lifted Python number or CPU scalar tensor stands where the schema has a Tensor.
+      if (arg->kind == Arg::Kind::Scalar &&
+          graph_.scalars[n.scalars[arg->i]].form != ir::ScalarForm::Scalar) {
+        step.slots.push_back({Slot::Scalar, n.scalars[arg->i]});
+        continue;
+      }
+      if (arg->kind != Arg::Kind::Tensor)
+        return mismatch();
+      step.slots.push_back({Slot::Tensor, n.operands[arg->i]});
+      continue;
+    case c10::TypeKind::NumberType:
+      if (arg->kind != Arg::Kind::Scalar)
+        return mismatch();
+      step.slots.push_back({Slot::Scalar, n.scalars[arg->i]});
+      continue;
+    case c10::TypeKind::DeviceObjType:
+      if (arg->kind != Arg::Kind::Device)
+        return mismatch();
+      step.slots.push_back({Slot::Device});
+      continue;
+    case c10::TypeKind::GeneratorType:
+      return where + ": explicit generators are not supported";
+    case c10::TypeKind::ListType: {
+      if (arg->kind != Arg::Kind::List)
+        return mismatch();
+      c10::TypePtr elem = type->containedType(0);
+      uint32_t count = arg->i;
+      bool optTensor = false;
+      if (auto o = elem->cast<c10::OptionalType>()) {
+        optTensor = o->getElementType()->kind() == c10::TypeKind::TensorType;
+        if (!optTensor)
+          return where + ": unsupported list type " + type->str();
+        elem = o->getElementType();
+      }
+      if (elem->kind() == c10::TypeKind::TensorType || elem->kind() == c10::TypeKind::NumberType) {
+        bool scalars = elem->kind() == c10::TypeKind::NumberType;
+        uint32_t start = listItems_.size();
+        for (uint32_t k = 0; k < count; ++k) {
+          const Arg *e = take();
+          if (optTensor && e->kind == Arg::Kind::None) {
+            listItems_.push_back(~0u);
+            continue;
+          }
+          if (e->kind != (scalars ? Arg::Kind::Scalar : Arg::Kind::Tensor))
+            return where + " element " + std::to_string(k) + " is " + kindName(e->kind);
+          listItems_.push_back(scalars ? n.scalars[e->i] : n.operands[e->i]);
+        }
+        Slot::Kind kind = scalars ? Slot::ScalarList : optTensor ? Slot::OptTensorList : Slot::TensorList;
+        step.slots.push_back({kind, start, count});
+        continue;
+      }
+      std::vector<c10::IValue> items;
+      for (uint32_t k = 0; k < count; ++k) {
+        c10::IValue v;
+        if (!constant(elem, *take(), n, v))
+          return where + " element " + std::to_string(k) + " does not match " + elem->str();
+        items.push_back(std::move(v));
+      }
+      c10::IValue list;
+      switch (elem->kind()) {
+      case c10::TypeKind::IntType:
+      case c10::TypeKind::SymIntType: {
+        std::vector<int64_t> v;
+        for (auto &i : items)
+          v.push_back(i.toInt());
+        list = v;
+        break;
+      }
+      case c10::TypeKind::FloatType: {
+        std::vector<double> v;
+        for (auto &i : items)
+          v.push_back(i.toDouble());
+        list = v;
+        break;
+      }
+      case c10::TypeKind::BoolType: {
+        c10::List<bool> v;
+        for (auto &i : items)
+          v.push_back(i.toBool());
+        list = v;
+        break;
+      }
+      default:
+        return where + ": unsupported list type " + type->str();
+      }
+      step.slots.push_back({Slot::Const, uint32_t(step.consts.size())});
+      step.consts.push_back(std::move(list));
+      continue;
+    }
+    default: {
+      c10::IValue v;
+      if (!constant(type, *arg, n, v))
+        return mismatch();
+      step.slots.push_back({Slot::Const, uint32_t(step.consts.size())});
+      step.consts.push_back(std::move(v));
+      continue;
+    }
+    }
+  }
+  if (a != n.args.size())
+    return "too many arguments for " + schema.name();
+  steps_.push_back(std::move(step));
+  return "";
+}
+
+c10::IValue Plan::scalarValue(uint32_t slot, llvm::ArrayRef<ir::ScalarValue> scalars) const {
+  const ir::ScalarSlot &s = graph_.scalars[slot];
+  const ir::ScalarValue &v = scalars[slot];
+  c10::Scalar value;
+  switch (v.kind) {
+  case ir::ScalarValue::Kind::Int: value = v.i; break;
+  case ir::ScalarValue::Kind::Double: value = v.d; break;
+  case ir::ScalarValue::Kind::Bool: value = bool(v.i); break;
+  case ir::ScalarValue::Kind::Complex: value = c10::complex<double>(v.d, v.imag); break;
+  }
+  if (s.form == ir::ScalarForm::Scalar)
+    return value;
+  at::Tensor t = at::scalar_tensor(value, at::TensorOptions().dtype(toScalarType(s.dtype)));
+  if (s.form == ir::ScalarForm::WrappedNumber)
+    t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
+}
+
+ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarValue> scalars,
+                   const RunContext &ctx, std::vector<Entry> &outputs, bool exactLayout) const {
+  c10::InferenceMode inference;
+  std::vector<Entry> values(metas_.size());
+  for (size_t i = 0; i < inputs.size(); ++i)
+    values[i] = inputs[i];
+  ErrorPtr first;
+  torch::jit::Stack stack;
+  for (const Step &step : steps_) {
+    const ir::Node &node = graph_.nodes[step.node];
+    ErrorPtr upstream;
+    for (uint32_t v : node.operands)
+      if (values[v].error) {
+        upstream = values[v].error;
+        break;
+      }
+    if (!upstream) {
+      try {
+        auto operand = [&](uint32_t v) -> at::Tensor {
+          const at::Tensor &t = values[v].tensor;
+          return step.restrideOperands ? restride(t, *metas_[v]) : t;
+        };
+        stack.clear();
+        for (const Slot &slot : step.slots) {
+          switch (slot.kind) {
+          case Slot::Const: stack.push_back(step.consts[slot.a]); break;
+          case Slot::Tensor: stack.push_back(operand(slot.a)); break;
+          case Slot::TensorList: {
+            c10::List<at::Tensor> list;
+            list.reserve(slot.b);
+            for (uint32_t k = 0; k < slot.b; ++k)
+              list.push_back(operand(listItems_[slot.a + k]));
+            stack.push_back(std::move(list));
+            break;
+          }
+          case Slot::OptTensorList: {
+            c10::List<std::optional<at::Tensor>> list;
+            for (uint32_t k = 0; k < slot.b; ++k) {
+              uint32_t v = listItems_[slot.a + k];
+              list.push_back(v == ~0u ? std::optional<at::Tensor>() : operand(v));
+            }
+            stack.push_back(std::move(list));
+            break;
+          }
+          case Slot::Scalar: stack.push_back(scalarValue(slot.a, scalars)); break;
+          case Slot::ScalarList: {
+            c10::impl::GenericList list(c10::NumberType::get());
+            for (uint32_t k = 0; k < slot.b; ++k)
+              list.push_back(scalarValue(listItems_[slot.a + k], scalars));
+            stack.push_back(std::move(list));
+            break;
+          }
+          case Slot::Generator: stack.push_back(ctx.generator); break;
+          case Slot::Device: stack.push_back(ctx.device); break;
+          }
+        }
+        step.op->callBoxed(stack);
+        uint32_t out = step.firstOutput;
+        for (c10::IValue &r : stack) {
+          if (r.isTensorList()) {
+            for (const at::Tensor &t : r.toTensorList())
+              if (out < step.firstOutput + step.numOutputs)
+                values[out++].tensor = t;
+          } else if (out < step.firstOutput + step.numOutputs) {
+            values[out++].tensor = r.toTensor();
+          }
+        }
+        if (out != step.firstOutput + step.numOutputs)
+          throw std::runtime_error("produced " + std::to_string(out - step.firstOutput) +
+                                   " outputs, the client expected " +
+                                   std::to_string(step.numOutputs));
+      } catch (const std::exception &e) {
+        const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
+        upstream = std::make_shared<RemoteError>(
+            RemoteError{node.op.str().str(), ce ? ce->what_without_backtrace() : e.what(),
+                        graph_.locations[node.loc], hash, step.node});
+        if (!first)
+          first = upstream;
+      }
+    }
+    if (upstream)
+      for (uint32_t k = 0; k < step.numOutputs; ++k)
+        values[step.firstOutput + k] = {at::Tensor(), upstream};
+    for (uint32_t v : step.release)
+      values[v] = Entry();
+  }
+  outputs.clear();
+  outputs.reserve(graph_.outputs.size());
+  for (uint32_t v : graph_.outputs) {
+    Entry e = values[v];
+    if (!e.error && exactLayout)
+      e.tensor = restride(e.tensor, *metas_[v]);
+    outputs.push_back(std::move(e));
+  }
+  return first;
+}
+
+} // namespace rgpu::server

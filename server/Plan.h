@@ -1,0 +1,97 @@
+//===- server/Plan.h - A verified graph, ready to run on libtorch kernels ---===//
+//
+// A Plan is built once per graph hash: every node's operator handle is resolved, its schema
+// checked against the node's arguments, constant arguments are turned into IValues, and the last
+// use of every intermediate is known so it is freed right after. Running a plan is then a loop
+// of stack fills and boxed calls.
+//
+// Building a plan is where the server refuses what it will not run: non-aten ops, ops that
+// mutate their inputs, ops that touch the server's filesystem or raw memory (see the denylist in
+// Plan.cpp), and any argument whose kind disagrees with the schema.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "rgpu/ir/Graph.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/Generator.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace rgpu::server {
+
+/// Why a value could not be computed: the failing aten op, its message and the user's line.
+struct RemoteError {
+  std::string op, message, location;
+  ir::Hash128 graph;
+  uint32_t node = 0;
+};
+using ErrorPtr = std::shared_ptr<const RemoteError>;
+
+/// A tensor held by a session, or the error that prevented computing it.
+struct Entry {
+  at::Tensor tensor;
+  ErrorPtr error;
+};
+
+/// What a run needs besides the plan.
+struct RunContext {
+  at::Device device{at::kCPU};
+  at::Generator generator;
+};
+
+class Plan {
+public:
+  /// Verifies \p graph against the op schemas and builds its plan. On failure returns null and
+  /// sets \p error to a message naming the node and op.
+  static std::unique_ptr<Plan> build(ir::Graph graph, std::string &error);
+
+  /// Runs the plan. \p inputs follow the graph's input order; on return \p outputs holds one
+  /// entry per graph output. A node that throws poisons its outputs and everything downstream;
+  /// the first such error is returned (null if the run succeeded).
+  /// Outputs get exactly the layout the graph records unless \p exactLayout is false (the
+  /// data-dependent path, where the graph cannot know it).
+  ErrorPtr run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarValue> scalars,
+               const RunContext &ctx, std::vector<Entry> &outputs, bool exactLayout = true) const;
+
+  const ir::Graph &graph() const { return graph_; }
+  ir::Hash128 hash;
+
+private:
+  /// How to produce one stack slot.
+  struct Slot {
+    enum Kind : uint8_t { Const, Tensor, TensorList, OptTensorList, Scalar, ScalarList, Generator, Device };
+    Kind kind;
+    uint32_t a = 0, b = 0; // Const: index; Tensor: value id; lists: [a, a+b) in listItems_
+  };
+  struct Step {
+    std::optional<c10::OperatorHandle> op;
+    uint32_t node;
+    std::vector<Slot> slots;
+    std::vector<c10::IValue> consts;
+    uint32_t firstOutput, numOutputs;
+    bool restrideOperands = false;
+    std::vector<uint32_t> release; // values whose last use is this step
+  };
+
+  Plan() = default;
+  std::string addStep(uint32_t nodeIndex, uint32_t firstOutput);
+  c10::IValue scalarValue(uint32_t slot, llvm::ArrayRef<ir::ScalarValue> scalars) const;
+
+  ir::Graph graph_;
+  std::vector<const ir::TensorMeta *> metas_;
+  std::vector<Step> steps_;
+  std::vector<uint32_t> listItems_; // value ids or scalar slots; ~0u is None
+};
+
+/// Makes \p t have exactly the layout \p meta describes, copying only if it does not already.
+at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta);
+
+/// ATen's ScalarType for a wire dtype number.
+inline at::ScalarType toScalarType(int8_t dtype) { return static_cast<at::ScalarType>(dtype); }
+
+} // namespace rgpu::server

@@ -1,0 +1,346 @@
+#include "Session.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/headeronly/version.h>
+
+#include <cstring>
+#include <iostream>
+
+namespace rgpu::server {
+
+void log(const std::string &message) {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  std::cerr << "rgpu-opserver: " << message << std::endl;
+}
+
+std::string torchVersion() {
+  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+         std::to_string(TORCH_VERSION_PATCH);
+}
+
+std::shared_ptr<const Plan> Context::find(const ir::Hash128 &hash) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = plans_.find(hash);
+  return it == plans_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<const Plan> Context::define(const ir::Hash128 &hash, ir::Graph graph,
+                                            std::string &error) {
+  if (auto plan = find(hash))
+    return plan;
+  if (ir::hashGraph(graph) != hash) {
+    error = "the graph does not match its hash " + hash.hex();
+    return nullptr;
+  }
+  size_t nodes = graph.nodes.size();
+  std::shared_ptr<Plan> plan = Plan::build(std::move(graph), error);
+  if (!plan)
+    return nullptr;
+  plan->hash = hash;
+  ++planBuilds;
+  log("graph " + hash.hex().substr(0, 12) + ": plan built, " + std::to_string(nodes) + " nodes");
+  std::lock_guard<std::mutex> lock(mu_);
+  return plans_.emplace(hash, plan).first->second;
+}
+
+struct Session::Partial {
+  at::Tensor cpu;
+  ir::TensorMeta meta;
+  uint64_t received = 0;
+};
+
+Session::Session(Context &ctx, std::string peer) : ctx_(ctx), peer_(std::move(peer)) {
+  generator_ = at::globalContext().defaultGenerator(ctx_.device()).clone();
+  ++ctx_.sessions;
+}
+
+Session::~Session() { --ctx_.sessions; }
+
+void Session::fail(ErrorPtr error) {
+  if (!pending_)
+    pending_ = std::move(error);
+}
+
+namespace {
+ErrorPtr protocolError(std::string message) {
+  return std::make_shared<RemoteError>(RemoteError{"", std::move(message), ""});
+}
+
+/// One entry of ServerFrame.results, gathered before the reply is built.
+struct ResultItem {
+  wire::Result::Which kind;
+  kj::Array<kj::byte> data;
+  std::vector<ir::TensorMeta> metas;
+};
+} // namespace
+
+FrameOutcome Session::handle(const net::Frame &frame) {
+  FrameOutcome outcome;
+  std::vector<ResultItem> results;
+  std::string fatal;
+  uint64_t seq = 0;
+  bool wantReply = false;
+  capnp::MallocMessageBuilder reply;
+  auto sf = reply.initRoot<wire::ServerFrame>();
+  try {
+    auto reader = net::openFrame(frame, wire::readerOptions(ctx_.limits(), frame.bytes));
+    auto cf = reader->getRoot<wire::ClientFrame>();
+    seq = cf.getSeq();
+    wantReply = cf.getWantReply();
+    for (auto cmd : cf.getCommands()) {
+      if (!greeted_ && cmd.which() != wire::Command::HELLO) {
+        fatal = "the first command of a session must be Hello";
+        break;
+      }
+      switch (cmd.which()) {
+      case wire::Command::HELLO:
+        results.push_back({wire::Result::HELLO, nullptr, {}});
+        hello(cmd.getHello(), fatal);
+        break;
+      case wire::Command::DEFINE: define(cmd.getDefine()); break;
+      case wire::Command::RUN: {
+        std::vector<std::vector<ir::TensorMeta>> metas;
+        run(cmd.getRun(), metas);
+        if (cmd.getRun().getReplyMetas())
+          results.push_back({wire::Result::METAS, nullptr, std::move(metas[0])});
+        break;
+      }
+      case wire::Command::UPLOAD: upload(cmd.getUpload()); break;
+      case wire::Command::DOWNLOAD: {
+        ResultItem item{wire::Result::DATA, nullptr, {}};
+        if (std::string e = download(cmd.getDownload(), item.data); !e.empty())
+          fatal = e;
+        results.push_back(std::move(item));
+        break;
+      }
+      case wire::Command::RELEASE:
+        for (uint64_t h : cmd.getRelease())
+          tensors_.erase(h);
+        break;
+      case wire::Command::SEED: {
+        std::lock_guard<std::mutex> lock(generator_.mutex());
+        generator_.set_current_seed(cmd.getSeed());
+        break;
+      }
+      case wire::Command::SYNC:
+        if (ctx_.device().is_cuda())
+          at::detail::getCUDAHooks().deviceSynchronize(ctx_.device().index());
+        results.push_back({wire::Result::DONE, nullptr, {}});
+        break;
+      default:
+        fatal = "unknown command";
+      }
+      if (!fatal.empty())
+        break;
+    }
+  } catch (const kj::Exception &e) {
+    fatal = "malformed message: " + std::string(e.getDescription().cStr());
+  }
+
+  if (!fatal.empty()) {
+    log(peer_ + ": " + fatal + "; closing the connection");
+    outcome.close = true;
+    wantReply = true;
+  }
+  if (!wantReply)
+    return outcome;
+
+  sf.setAckSeq(seq);
+  auto rs = sf.initResults(results.size());
+  for (size_t i = 0; i < results.size(); ++i) {
+    ResultItem &item = results[i];
+    switch (item.kind) {
+    case wire::Result::HELLO: {
+      auto h = rs[i].initHello();
+      h.setProtocol(wire::kProtocolVersion);
+      h.setTorchVersion(torchVersion());
+      h.setDevice(ctx_.device().str());
+      h.setCompiler("plan");
+      break;
+    }
+    case wire::Result::DATA: rs[i].setData(item.data); break;
+    case wire::Result::METAS: {
+      auto ms = rs[i].initMetas(item.metas.size());
+      for (size_t k = 0; k < item.metas.size(); ++k)
+        wire::encodeMeta(item.metas[k], ms[k]);
+      break;
+    }
+    default: rs[i].setDone(); break;
+    }
+  }
+  if (!fatal.empty()) {
+    auto e = sf.initError();
+    e.setMessage(fatal);
+    e.setKind(fatal.rfind("version", 0) == 0 ? wire::Error::Kind::VERSION
+                                             : wire::Error::Kind::PROTOCOL);
+  } else if (pending_) {
+    auto e = sf.initError();
+    e.setOp(pending_->op);
+    e.setMessage(pending_->message);
+    e.setLocation(pending_->location);
+    wire::encodeHash(pending_->graph, e.initGraph());
+    e.setNode(pending_->node);
+    pending_.reset();
+  }
+  outcome.reply = net::encodeFrame(reply, frame.bytes < (1u << 16) && results.size() <= 4 &&
+                                              (results.empty() || results[0].data.size() < 4096));
+  return outcome;
+}
+
+void Session::hello(wire::Hello::Reader r, std::string &fatal) {
+  if (r.getProtocol() != wire::kProtocolVersion) {
+    fatal = "version mismatch: client speaks rgpu protocol " + std::to_string(r.getProtocol()) +
+            ", this server speaks " + std::to_string(wire::kProtocolVersion);
+    return;
+  }
+  greeted_ = true;
+}
+
+void Session::define(wire::Define::Reader r) {
+  ir::Hash128 hash = wire::decodeHash(r.getHash());
+  if (ctx_.find(hash))
+    return;
+  ir::Graph graph;
+  std::string error = wire::decodeGraph(r.getGraph(), ctx_.limits(), graph);
+  if (error.empty() && ctx_.define(hash, std::move(graph), error))
+    return;
+  log(peer_ + ": refused graph " + hash.hex().substr(0, 12) + ": " + error);
+  auto e = protocolError("rgpu-opserver refused the graph: " + error);
+  refused_[hash] = e;
+  fail(e);
+}
+
+void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas) {
+  metas.assign(1, {});
+  ir::Hash128 hash = wire::decodeHash(r.getHash());
+  std::shared_ptr<const Plan> plan = ctx_.find(hash);
+  uint64_t first = r.getFirstOutput();
+  auto poisonAll = [&](ErrorPtr e, size_t count) {
+    for (size_t k = 0; k < count; ++k)
+      bind(first + k, {at::Tensor(), e});
+  };
+  if (!plan) {
+    // Refused at Define (that error stays with its outputs) or never defined.
+    auto refused = refused_.find(hash);
+    ErrorPtr e = refused != refused_.end() ? refused->second
+                                           : protocolError("unknown graph " + hash.hex());
+    fail(e);
+    poisonAll(e, r.getNumOutputs());
+    return;
+  }
+  const ir::Graph &g = plan->graph();
+  if (r.getInputs().size() != g.inputs.size() || r.getScalars().size() != g.scalars.size()) {
+    auto e = protocolError("run of graph " + hash.hex().substr(0, 12) +
+                           " has the wrong number of inputs");
+    fail(e);
+    poisonAll(e, g.outputs.size());
+    return;
+  }
+  std::vector<Entry> inputs;
+  inputs.reserve(g.inputs.size());
+  for (size_t i = 0; i < g.inputs.size(); ++i) {
+    uint64_t h = r.getInputs()[i];
+    auto it = tensors_.find(h);
+    if (it == tensors_.end()) {
+      auto e = protocolError("unknown tensor handle " + std::to_string(h));
+      fail(e);
+      poisonAll(e, g.outputs.size());
+      return;
+    }
+    Entry in = it->second;
+    const ir::TensorMeta &m = g.inputs[i];
+    if (!in.error && (in.tensor.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
+                      in.tensor.scalar_type() != toScalarType(m.dtype))) {
+      auto e = protocolError("tensor handle " + std::to_string(h) + " does not match input " +
+                             std::to_string(i) + " " + m.str());
+      fail(e);
+      poisonAll(e, g.outputs.size());
+      return;
+    }
+    if (!in.error)
+      in.tensor = restride(in.tensor, m);
+    inputs.push_back(std::move(in));
+  }
+  llvm::SmallVector<ir::ScalarValue, 8> scalars;
+  for (auto s : r.getScalars())
+    scalars.push_back(wire::decodeScalar(s));
+  std::vector<Entry> outputs;
+  ++ctx_.graphRuns;
+  if (ErrorPtr e = plan->run(inputs, scalars, {ctx_.device(), generator_}, outputs,
+                             !r.getReplyMetas()))
+    fail(e);
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (r.getReplyMetas()) {
+      ir::TensorMeta m;
+      if (const at::Tensor &t = outputs[k].tensor; t.defined()) {
+        m.dtype = int8_t(t.scalar_type());
+        m.sizes.assign(t.sizes().begin(), t.sizes().end());
+        m.strides.assign(t.strides().begin(), t.strides().end());
+      }
+      metas[0].push_back(std::move(m));
+    }
+    bind(first + k, std::move(outputs[k]));
+  }
+}
+
+void Session::upload(wire::Upload::Reader r) {
+  uint64_t handle = r.getHandle();
+  ir::TensorMeta meta;
+  auto data = r.getData();
+  if (!wire::decodeMeta(r.getMeta(), meta) || uint64_t(meta.storageBytes()) != r.getTotal() ||
+      r.getOffset() + data.size() > r.getTotal()) {
+    auto e = protocolError("malformed upload for handle " + std::to_string(handle));
+    fail(e);
+    bind(handle, {at::Tensor(), e});
+    return;
+  }
+  auto &part = partial_[handle];
+  if (!part || r.getOffset() == 0) {
+    part = std::make_unique<Partial>();
+    part->meta = meta;
+    part->cpu = at::empty_strided(meta.sizes, meta.strides,
+                                  at::TensorOptions().dtype(toScalarType(meta.dtype)));
+  }
+  if (data.size())
+    std::memcpy(static_cast<char *>(part->cpu.data_ptr()) + r.getOffset(), data.begin(),
+                data.size());
+  part->received += data.size();
+  if (part->received < r.getTotal())
+    return;
+  at::Tensor t = ctx_.device().is_cpu() ? part->cpu : part->cpu.to(ctx_.device());
+  partial_.erase(handle);
+  bind(handle, {t, nullptr});
+}
+
+std::string Session::download(wire::Download::Reader r, kj::Array<kj::byte> &bytes) {
+  uint64_t handle = r.getHandle();
+  auto it = tensors_.find(handle);
+  if (it == tensors_.end()) {
+    fail(protocolError("download of unknown tensor handle " + std::to_string(handle)));
+    return "";
+  }
+  if (it->second.error) {
+    fail(it->second.error);
+    return "";
+  }
+  ir::TensorMeta meta;
+  const at::Tensor &t = it->second.tensor;
+  if (!wire::decodeMeta(r.getMeta(), meta) || t.sizes() != llvm::ArrayRef<int64_t>(meta.sizes) ||
+      t.scalar_type() != toScalarType(meta.dtype)) {
+    fail(protocolError("download of handle " + std::to_string(handle) +
+                       " asks for a layout that does not match the tensor"));
+    return "";
+  }
+  at::Tensor cpu = at::empty_strided(meta.sizes, meta.strides,
+                                     at::TensorOptions().dtype(t.scalar_type()));
+  cpu.copy_(t);
+  bytes = kj::heapArray<kj::byte>(meta.storageBytes());
+  if (bytes.size())
+    std::memcpy(bytes.begin(), cpu.data_ptr(), bytes.size());
+  return "";
+}
+
+} // namespace rgpu::server

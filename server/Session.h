@@ -1,0 +1,84 @@
+//===- server/Session.h - One client's tensors, graphs and errors ----------===//
+//
+// A session owns a handle namespace: handles are chosen by its client, and one session can never
+// name another's tensors. Frames of a session are executed in order on that session's worker
+// thread, never on the I/O loop.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "Plan.h"
+
+#include "rgpu/net/Frame.h"
+#include "rgpu/wire/Wire.h"
+
+#include <llvm/ADT/DenseMap.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+
+namespace rgpu::server {
+
+/// State shared by every session of one server: the device and the graph cache.
+class Context {
+public:
+  Context(at::Device device, wire::Limits limits) : device_(device), limits_(limits) {}
+
+  at::Device device() const { return device_; }
+  const wire::Limits &limits() const { return limits_; }
+
+  /// The plan for \p hash, or null if no session has defined it.
+  std::shared_ptr<const Plan> find(const ir::Hash128 &hash);
+  /// Verifies and caches \p graph under \p hash (which must be the graph's own hash).
+  std::shared_ptr<const Plan> define(const ir::Hash128 &hash, ir::Graph graph, std::string &error);
+
+  std::atomic<uint64_t> planBuilds{0}, graphRuns{0}, sessions{0};
+
+private:
+  at::Device device_;
+  wire::Limits limits_;
+  std::mutex mu_;
+  std::map<ir::Hash128, std::shared_ptr<const Plan>> plans_;
+};
+
+/// The outcome of handling one frame.
+struct FrameOutcome {
+  std::string reply; ///< A framed ServerFrame to send, or empty.
+  bool close = false; ///< The frame was malformed: close the connection after the reply.
+};
+
+class Session {
+public:
+  Session(Context &ctx, std::string peer);
+  ~Session();
+
+  /// Executes every command of \p frame in order.
+  FrameOutcome handle(const net::Frame &frame);
+
+private:
+  struct Partial; // an upload arriving in chunks
+
+  void hello(wire::Hello::Reader r, std::string &fatal);
+  void define(wire::Define::Reader r);
+  void run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas);
+  void upload(wire::Upload::Reader r);
+  std::string download(wire::Download::Reader r, kj::Array<kj::byte> &bytes);
+  void fail(ErrorPtr error);
+  /// Binds a handle to a value. A client may rebind handles it no longer uses.
+  void bind(uint64_t handle, Entry e) { tensors_[handle] = std::move(e); }
+
+  Context &ctx_;
+  std::string peer_;
+  bool greeted_ = false;
+  at::Generator generator_;
+  llvm::DenseMap<uint64_t, Entry> tensors_;
+  std::map<uint64_t, std::unique_ptr<Partial>> partial_;
+  std::map<ir::Hash128, ErrorPtr> refused_; ///< Graphs this session defined that failed checks.
+  ErrorPtr pending_; ///< The first error not yet reported to the client.
+};
+
+/// Formats a log line with the server's prefix on stderr.
+void log(const std::string &message);
+
+} // namespace rgpu::server

@@ -1,0 +1,309 @@
+//===- server/main.cpp - rgpu-opserver: the libuv loop and the CLI ---------===//
+//
+// One libuv loop does all socket I/O. Each connection is a session with its own worker thread,
+// which decodes and executes frames in order; replies come back to the loop through an async
+// handle. A slow graph therefore delays only its own session, and a malformed frame closes only
+// its own connection.
+//
+//===----------------------------------------------------------------------===//
+#include "Session.h"
+
+#include <ATen/Context.h>
+#include <c10/core/DeviceType.h>
+
+#include <uv.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <thread>
+#include <unordered_map>
+
+using namespace rgpu;
+using namespace rgpu::server;
+
+namespace {
+
+const char *kUsage = R"(usage: rgpu-opserver [options]
+
+Serves rgpu clients: receives lazy graphs once, runs them on this machine's device.
+
+options:
+  --device cuda|cpu      device to run on (default: cuda if available, else cpu);
+                         exits with an error if the device is unusable
+  --port N               TCP port to listen on (default 9720; 0 picks a free port,
+                         printed in the "listening on" line)
+  --bind ADDR            address to bind (default 127.0.0.1: reach it through an ssh
+                         tunnel, e.g. with rgpu-run; bind 0.0.0.0 only on a trusted network)
+  --compiler plan        how graphs are executed: plan runs libtorch kernels through a
+                         plan of resolved operator handles
+  --max-frame-mib N      largest frame accepted from a client, in MiB (default 1024)
+  -h, --help             show this help
+
+Logs go to stderr, prefixed with "rgpu-opserver:".
+)";
+
+struct Server;
+
+/// A connection's worker: executes its session's frames in order, off the loop thread.
+struct Worker {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<net::Frame> queue;
+  bool stopped = false;
+};
+
+struct Connection {
+  uv_tcp_t tcp;
+  uint64_t id;
+  Server *server;
+  net::FrameDecoder decoder;
+  std::shared_ptr<Worker> worker;
+  std::string peer;
+  bool closing = false;
+  Connection(uint64_t maxFrame) : decoder(maxFrame) {}
+};
+
+struct Outgoing {
+  uint64_t conn;
+  std::string bytes;
+  bool close;
+};
+
+struct Server {
+  uv_loop_t *loop;
+  uv_tcp_t listener;
+  uv_async_t wake;
+  uv_signal_t sigint, sigterm;
+  std::unique_ptr<Context> ctx;
+  uint64_t nextId = 1;
+  std::unordered_map<uint64_t, Connection *> conns;
+  std::mutex outMu;
+  std::deque<Outgoing> outbox;
+
+  void post(Outgoing o) {
+    {
+      std::lock_guard<std::mutex> lock(outMu);
+      outbox.push_back(std::move(o));
+    }
+    uv_async_send(&wake);
+  }
+};
+
+void closeConnection(Connection *c) {
+  if (c->closing)
+    return;
+  c->closing = true;
+  {
+    std::lock_guard<std::mutex> lock(c->worker->mu);
+    c->worker->stopped = true;
+    c->worker->queue.clear();
+  }
+  c->worker->cv.notify_all();
+  c->server->conns.erase(c->id);
+  uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp),
+           [](uv_handle_t *h) { delete static_cast<Connection *>(h->data); });
+}
+
+void runWorker(Server *server, uint64_t connId, std::string peer, std::shared_ptr<Worker> w) {
+  Session session(*server->ctx, peer);
+  for (;;) {
+    net::Frame frame;
+    {
+      std::unique_lock<std::mutex> lock(w->mu);
+      w->cv.wait(lock, [&] { return w->stopped || !w->queue.empty(); });
+      if (w->stopped)
+        break;
+      frame = std::move(w->queue.front());
+      w->queue.pop_front();
+    }
+    FrameOutcome out = session.handle(frame);
+    if (!out.reply.empty() || out.close)
+      server->post({connId, std::move(out.reply), out.close});
+    if (out.close)
+      break;
+  }
+}
+
+void onAlloc(uv_handle_t *, size_t suggested, uv_buf_t *buf) {
+  buf->base = static_cast<char *>(malloc(suggested));
+  buf->len = suggested;
+}
+
+void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
+  auto *c = static_cast<Connection *>(stream->data);
+  if (n < 0) {
+    if (n != UV_EOF)
+      log(c->peer + ": " + uv_strerror(n));
+    closeConnection(c);
+  } else if (n > 0 && !c->closing) {
+    if (!c->decoder.feed(buf->base, n)) {
+      log(c->peer + ": " + c->decoder.error() + "; closing the connection");
+      closeConnection(c);
+    } else {
+      net::Frame frame;
+      bool any = false;
+      std::lock_guard<std::mutex> lock(c->worker->mu);
+      while (c->decoder.next(frame)) {
+        c->worker->queue.push_back(std::move(frame));
+        any = true;
+      }
+      if (any)
+        c->worker->cv.notify_one();
+    }
+  }
+  free(buf->base);
+}
+
+void onConnection(uv_stream_t *listener, int status) {
+  auto *server = static_cast<Server *>(listener->data);
+  if (status < 0) {
+    log(std::string("accept failed: ") + uv_strerror(status));
+    return;
+  }
+  auto *c = new Connection(server->ctx->limits().maxFrameBytes);
+  c->server = server;
+  c->id = server->nextId++;
+  uv_tcp_init(server->loop, &c->tcp);
+  c->tcp.data = c;
+  if (uv_accept(listener, reinterpret_cast<uv_stream_t *>(&c->tcp)) != 0) {
+    uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp),
+             [](uv_handle_t *h) { delete static_cast<Connection *>(h->data); });
+    return;
+  }
+  uv_tcp_nodelay(&c->tcp, 1);
+  sockaddr_storage addr{};
+  int len = sizeof addr;
+  char host[64] = "?";
+  if (uv_tcp_getpeername(&c->tcp, reinterpret_cast<sockaddr *>(&addr), &len) == 0) {
+    if (addr.ss_family == AF_INET)
+      uv_ip4_name(reinterpret_cast<sockaddr_in *>(&addr), host, sizeof host);
+    else
+      uv_ip6_name(reinterpret_cast<sockaddr_in6 *>(&addr), host, sizeof host);
+  }
+  c->peer = std::string("session ") + std::to_string(c->id) + " (" + host + ")";
+  c->worker = std::make_shared<Worker>();
+  server->conns[c->id] = c;
+  std::thread(runWorker, server, c->id, c->peer, c->worker).detach();
+  uv_read_start(reinterpret_cast<uv_stream_t *>(&c->tcp), onAlloc, onRead);
+}
+
+void onWake(uv_async_t *handle) {
+  auto *server = static_cast<Server *>(handle->data);
+  std::deque<Outgoing> batch;
+  {
+    std::lock_guard<std::mutex> lock(server->outMu);
+    batch.swap(server->outbox);
+  }
+  for (Outgoing &o : batch) {
+    auto it = server->conns.find(o.conn);
+    if (it == server->conns.end())
+      continue;
+    Connection *c = it->second;
+    if (!o.bytes.empty()) {
+      struct Write {
+        uv_write_t req;
+        std::string bytes;
+        Connection *conn;
+        bool close;
+      };
+      auto *w = new Write{{}, std::move(o.bytes), c, o.close};
+      uv_buf_t buf = uv_buf_init(w->bytes.data(), w->bytes.size());
+      w->req.data = w;
+      uv_write(&w->req, reinterpret_cast<uv_stream_t *>(&c->tcp), &buf, 1,
+               [](uv_write_t *req, int) {
+                 auto *w = static_cast<Write *>(req->data);
+                 if (w->close)
+                   closeConnection(w->conn);
+                 delete w;
+               });
+    } else if (o.close) {
+      closeConnection(c);
+    }
+  }
+}
+
+void onSignal(uv_signal_t *handle, int signum) {
+  log(std::string("received ") + (signum == SIGINT ? "SIGINT" : "SIGTERM") + ", shutting down");
+  // Sessions hold only in-memory state; nothing needs flushing.
+  std::_Exit(0);
+}
+
+int fail(const std::string &message) {
+  log(message);
+  return 2;
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+  std::string device, bind = "127.0.0.1", compiler = "plan";
+  int port = 9720;
+  wire::Limits limits;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        log("option " + a + " needs a value (see --help)");
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    try {
+      if (a == "-h" || a == "--help") {
+        fputs(kUsage, stdout);
+        return 0;
+      } else if (a == "--device") {
+        device = value();
+      } else if (a == "--port") {
+        port = std::stoi(value());
+      } else if (a == "--bind") {
+        bind = value();
+      } else if (a == "--compiler") {
+        compiler = value();
+      } else if (a == "--max-frame-mib") {
+        limits.maxFrameBytes = std::stoull(value()) << 20;
+      } else {
+        return fail("unknown option " + a + " (see --help)");
+      }
+    } catch (const std::exception &) {
+      return fail("option " + a + " needs a number");
+    }
+  }
+  if (compiler != "plan")
+    return fail("unknown compiler '" + compiler + "': this server supports --compiler plan");
+  bool cuda = at::globalContext().hasCUDA();
+  if (device.empty())
+    device = cuda ? "cuda" : "cpu";
+  if (device != "cpu" && device != "cuda")
+    return fail("unknown device '" + device + "': use --device cuda or --device cpu");
+  if (device == "cuda" && !cuda)
+    return fail("--device cuda: no usable CUDA device on this machine (use --device cpu)");
+
+  Server server;
+  server.ctx = std::make_unique<Context>(at::Device(device == "cuda" ? at::kCUDA : at::kCPU, device == "cuda" ? 0 : -1), limits);
+  server.loop = uv_default_loop();
+  uv_tcp_init(server.loop, &server.listener);
+  server.listener.data = &server;
+  sockaddr_storage addr{};
+  if (uv_ip4_addr(bind.c_str(), port, reinterpret_cast<sockaddr_in *>(&addr)) != 0 &&
+      uv_ip6_addr(bind.c_str(), port, reinterpret_cast<sockaddr_in6 *>(&addr)) != 0)
+    return fail("--bind " + bind + ": not an IP address");
+  int rc = uv_tcp_bind(&server.listener, reinterpret_cast<sockaddr *>(&addr), 0);
+  if (rc == 0)
+    rc = uv_listen(reinterpret_cast<uv_stream_t *>(&server.listener), 128, onConnection);
+  if (rc != 0)
+    return fail("cannot listen on " + bind + ":" + std::to_string(port) + ": " + uv_strerror(rc));
+  int len = sizeof addr;
+  uv_tcp_getsockname(&server.listener, reinterpret_cast<sockaddr *>(&addr), &len);
+  int bound = ntohs(reinterpret_cast<sockaddr_in *>(&addr)->sin_port);
+  uv_async_init(server.loop, &server.wake, onWake);
+  server.wake.data = &server;
+  uv_signal_init(server.loop, &server.sigint);
+  uv_signal_start(&server.sigint, onSignal, SIGINT);
+  uv_signal_init(server.loop, &server.sigterm);
+  uv_signal_start(&server.sigterm, onSignal, SIGTERM);
+  log("listening on " + bind + ":" + std::to_string(bound) + ", device " +
+      server.ctx->device().str() + ", compiler " + compiler);
+  return uv_run(server.loop, UV_RUN_DEFAULT);
+}
