@@ -6,6 +6,9 @@
 
 #include <llvm/ADT/StringSet.h>
 
+#include <algorithm>
+#include <mutex>
+
 namespace rgpu::server {
 
 using ir::Arg;
@@ -109,6 +112,26 @@ bool constant(const c10::TypePtr &type, const Arg &a, const ir::Node &n, c10::IV
   }
 }
 
+/// Runs a random op that has no generator argument with the session's generator standing in for
+/// the process default one, so sessions never see each other's random streams.
+void callWithSessionGenerator(const c10::OperatorHandle &op, torch::jit::Stack &stack,
+                              const RunContext &ctx) {
+  static std::mutex swapMutex;
+  std::lock_guard<std::mutex> lock(swapMutex);
+  at::Generator global = at::globalContext().defaultGenerator(ctx.device);
+  at::Tensor saved = global.get_state();
+  global.set_state(ctx.generator.get_state());
+  try {
+    op.callBoxed(stack);
+  } catch (...) {
+    global.set_state(saved);
+    throw;
+  }
+  at::Generator session = ctx.generator;
+  session.set_state(global.get_state());
+  global.set_state(saved);
+}
+
 } // namespace
 
 at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta) {
@@ -183,6 +206,11 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   step.firstOutput = firstOutput;
   step.numOutputs = n.outputs.size();
   step.restrideOperands = isLayoutSensitive(base);
+  step.seeded = handle->hasTag(at::Tag::nondeterministic_seeded) &&
+                std::none_of(schema.arguments().begin(), schema.arguments().end(),
+                             [](const c10::Argument &a) {
+                               return a.type()->str().find("Generator") != std::string::npos;
+                             });
   c10::OperatorName runName = viewFor(name);
   step.op = runName == name ? *handle : *c10::Dispatcher::singleton().findSchema(runName);
 
@@ -390,7 +418,10 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
           case Slot::Device: stack.push_back(ctx.device); break;
           }
         }
-        step.op->callBoxed(stack);
+        if (step.seeded)
+          callWithSessionGenerator(*step.op, stack, ctx);
+        else
+          step.op->callBoxed(stack);
         uint32_t out = step.firstOutput;
         for (c10::IValue &r : stack) {
           if (r.isTensorList()) {

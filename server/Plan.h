@@ -75,6 +75,9 @@ private:
     std::vector<c10::IValue> consts;
     uint32_t firstOutput, numOutputs;
     bool restrideOperands = false;
+    /// A random op with no generator argument: it draws from the process default generator,
+    /// which is swapped for the session's around it.
+    bool seeded = false;
     std::vector<uint32_t> release; // values whose last use is this step
   };
 

@@ -127,7 +127,7 @@ void Session::queue(Command c) {
 // Cutting the trace into a graph
 //===----------------------------------------------------------------------===//
 
-void Session::cut() {
+Session::CutOutputs Session::cut() {
   // Live tensors with pending work, grouped by the value they hold.
   struct Out {
     TraceNode *node;
@@ -146,8 +146,9 @@ void Session::cut() {
     outs[it->second].impls.push_back(impl);
   }
   nodesSinceCut_ = 0;
+  CutOutputs placed;
   if (outs.empty())
-    return;
+    return placed;
   std::sort(outs.begin(), outs.end(), [](const Out &a, const Out &b) {
     return a.node->seq != b.node->seq ? a.node->seq < b.node->seq : a.index < b.index;
   });
@@ -248,7 +249,9 @@ void Session::cut() {
     llvm::IntrusiveRefCntPtr<DeviceData> data(new DeviceData(run.handle + k, std::move(meta)));
     for (LazyTensorImpl *impl : outs[k].impls)
       impl->value = Value{nullptr, 0, data};
+    placed[{outs[k].node, outs[k].index}] = data;
   }
+  return placed;
 }
 
 void Session::markStep(bool wait) {
@@ -338,14 +341,20 @@ Session::runNow(llvm::IntrusiveRefCntPtr<TraceNode> node) {
   std::lock_guard<std::recursive_mutex> lock(mu);
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
-  cut(); // makes every input device data
+  CutOutputs placed = cut(); // every input is held by a live tensor, so it is now device data
+  for (Value &v : node->inputs) {
+    if (!v.pending())
+      continue;
+    auto data = placed.lookup({v.node.get(), v.index});
+    TORCH_INTERNAL_ASSERT(data, "rgpu: an input of a data-dependent op was not materialised");
+    v = Value{nullptr, 0, data};
+  }
   ir::Graph g;
   std::vector<uint64_t> handles;
   g.nodes.push_back(node->node);
   ir::Node &n = g.nodes.back();
   n.operands.clear();
   for (const Value &v : node->inputs) {
-    TORCH_INTERNAL_ASSERT(!v.pending(), "rgpu: input still pending after a cut");
     n.operands.push_back(g.inputs.size());
     g.inputs.push_back(v.data->meta);
     handles.push_back(v.data->handle);

@@ -99,4 +99,19 @@ def _patch_printing():
     ts._tensor_str = _tensor_str
 
 
+def _patch_copy_into_other_devices():
+    # cpu_tensor.copy_(rgpu_tensor) would reach functionalization with a non-functional
+    # destination, which it refuses; route it through a download instead.
+    original = torch.Tensor.copy_
+
+    def copy_(self, src, non_blocking=False):
+        if isinstance(src, torch.Tensor) and src.device.type == "rgpu" and self.device.type != "rgpu":
+            src = src.to(self.device)
+        return original(self, src, non_blocking)
+
+    copy_.__doc__ = original.__doc__
+    torch.Tensor.copy_ = copy_
+
+
 _patch_printing()
+_patch_copy_into_other_devices()

@@ -93,7 +93,10 @@ private:
   Session();
 
   struct Command;
-  void cut();
+  using CutOutputs = llvm::DenseMap<std::pair<TraceNode *, uint32_t>, llvm::IntrusiveRefCntPtr<DeviceData>>;
+  /// Cuts every live pending tensor into one graph and queues its run; returns where each
+  /// pending value went.
+  CutOutputs cut();
   void queue(Command c);
   /// Sends the queued commands as one frame. With \p wantReply, waits for the server's answer and
   /// returns its results (in command order of the value-producing commands).

@@ -1,0 +1,93 @@
+"""Every Python test talks to a real rgpu-opserver on 127.0.0.1, started here on a free port."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def opserver_path():
+    found = shutil.which("rgpu-opserver", path=os.path.dirname(sys.executable))
+    return found or os.path.join(REPO, "python", "rgpu", "bin", "rgpu-opserver")
+
+
+class Server:
+    """A running rgpu-opserver; `address` is host:port."""
+
+    def __init__(self, *args):
+        self.proc = subprocess.Popen(
+            [opserver_path(), "--device", "cpu", "--port", "0", *args],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.log = []
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.log.append(line)
+            m = re.search(r"listening on ([\d.]+):(\d+)", line)
+            if m:
+                self.address = f"{m.group(1)}:{m.group(2)}"
+                self.port = int(m.group(2))
+                return
+        self.proc.kill()
+        raise RuntimeError("rgpu-opserver did not start:\n" + "".join(self.log))
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self):
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server():
+    s = Server()
+    import rgpu
+
+    rgpu.set_server(s.address)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def fresh_server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+def run_client(address, code, env=None, timeout=120):
+    """Runs `code` in a new Python process (its own rgpu session) against `address`."""
+    full_env = dict(os.environ, RGPU_OPSERVER=address, **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def same(actual, expected, rtol=1e-5, atol=1e-6):
+    """Asserts an rgpu result equals the CPU one: values, dtype, shape."""
+    if isinstance(actual, (list, tuple)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            same(a, e, rtol, atol)
+        return
+    if isinstance(actual, torch.Tensor):
+        assert actual.device.type == "rgpu", actual.device
+        actual = actual.cpu()
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)

@@ -1,0 +1,155 @@
+"""Ops on rgpu tensors match CPU eager: the lazy trace is an implementation detail."""
+
+import pytest
+import torch
+from conftest import same
+
+import rgpu  # noqa: F401
+
+R = "rgpu"
+
+
+def both(fn, *tensors):
+    """Runs fn on CPU tensors and on their rgpu copies; returns (rgpu result, cpu result)."""
+    return fn(*[t.to(R) for t in tensors]), fn(*tensors)
+
+
+def test_device_is_registered():
+    x = torch.ones(2, device="rgpu")
+    assert x.device == torch.device("rgpu", 0)
+    assert x.is_rgpu
+    assert torch.rgpu.is_available() and torch.rgpu.device_count() == 1
+    assert torch.rgpu.current_device() == 0
+    assert torch.float16 in torch.rgpu.get_amp_supported_dtype()
+    assert torch.randn(2).rgpu().device.type == "rgpu"
+
+
+def test_factories_match_cpu():
+    same(torch.zeros(2, 3, device=R), torch.zeros(2, 3))
+    same(torch.ones(4, dtype=torch.int64, device=R), torch.ones(4, dtype=torch.int64))
+    same(torch.full((2, 2), 3.5, device=R), torch.full((2, 2), 3.5))
+    same(torch.arange(10, device=R), torch.arange(10))
+    same(torch.arange(0, 1, 0.25, device=R), torch.arange(0, 1, 0.25))
+    same(torch.eye(3, device=R), torch.eye(3))
+    same(torch.linspace(0, 1, 5, device=R), torch.linspace(0, 1, 5))
+    same(torch.tensor([[1, 2], [3, 4]], device=R), torch.tensor([[1, 2], [3, 4]]))
+    same(torch.zeros_like(torch.ones(3, device=R)), torch.zeros(3))
+
+
+def test_elementwise_and_broadcasting():
+    a, b = torch.randn(4, 5), torch.randn(5)
+    for fn in [
+        lambda x, y: x + y,
+        lambda x, y: x * y - 2,
+        lambda x, y: torch.where(x > 0, x, y),
+        lambda x, y: (x / 3).exp().sin() + y.abs().sqrt(),
+        lambda x, y: torch.maximum(x, y).clamp(-0.5, 0.5),
+        lambda x, y: x.sigmoid() * y.tanh(),
+        lambda x, y: torch.nn.functional.gelu(x) + y.pow(2),
+        lambda x, y: 2.0 ** x + 1 / (y.abs() + 1),
+    ]:
+        same(*both(fn, a, b))
+
+
+def test_reductions():
+    x = torch.randn(3, 4, 5)
+    for fn in [
+        lambda t: t.sum(),
+        lambda t: t.mean(dim=1),
+        lambda t: t.amax(dim=(0, 2), keepdim=True),
+        lambda t: t.var(dim=2, unbiased=True),
+        lambda t: t.logsumexp(dim=-1),
+        lambda t: t.softmax(dim=1),
+        lambda t: t.argmax(dim=2),
+        lambda t: t.cumsum(dim=0),
+        lambda t: t.norm(),
+        lambda t: torch.max(t, dim=1),
+    ]:
+        same(*both(fn, x))
+
+
+def test_matmul_family():
+    a, b, c = torch.randn(3, 4), torch.randn(4, 5), torch.randn(2, 3, 4)
+    same(*both(lambda x, y: x @ y, a, b))
+    same(*both(lambda x, y: torch.addmm(torch.ones(5, device=x.device), x, y), a, b))
+    same(*both(lambda x, y: torch.bmm(x, x.transpose(1, 2)), c, b))
+    same(*both(lambda x, y: torch.einsum("bij,jk->bik", x, y), c, b))
+    same(*both(lambda x, y: torch.nn.functional.linear(x, y.t()), a, b))
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.bool, torch.bfloat16,
+              torch.float16, torch.uint8, torch.complex64]
+)
+def test_dtypes_round_trip_and_compute(dtype):
+    x = (torch.randn(6, 3) * 4)
+    x = x.to(dtype) if not dtype.is_complex else torch.randn(6, 3, dtype=dtype)
+    same(x.to(R), x)
+    if dtype == torch.bool:
+        same(*both(lambda t: t & ~t.roll(1, 0), x))
+    else:
+        same(*both(lambda t: t + t, x))
+        same(*both(lambda t: t.sum(dim=0), x))
+
+
+def test_dtype_conversions():
+    x = torch.randn(4, 4) * 10
+    same(*both(lambda t: t.to(torch.int32), x))
+    same(*both(lambda t: t.to(torch.bfloat16).float(), x))
+    same(*both(lambda t: t.half().double(), x))
+    same(*both(lambda t: (t > 0).long() * 3, x))
+    assert x.to(R).to(torch.float64).dtype == torch.float64
+
+
+def test_zero_dim_and_empty_tensors():
+    s = torch.tensor(3.5)
+    same(*both(lambda t: t * 2, s))
+    assert torch.tensor(3.5, device=R).item() == 3.5
+    e = torch.empty(0, 4)
+    same(*both(lambda t: t + 1, e))
+    same(*both(lambda t: t.sum(dim=0), e))
+    same(*both(lambda t: torch.cat([t, t]), e))
+    assert torch.randn(0, device=R).cpu().shape == (0,)
+
+
+def test_non_contiguous_inputs():
+    x = torch.randn(6, 8)
+    same(*both(lambda t: t.t() * 2, x))
+    same(*both(lambda t: t[:, ::2] + 1, x))
+    same(*both(lambda t: t.t().contiguous(), x))
+    same(x.t().to(R), x.t())
+    same(x[1:, 2::3].to(R), x[1:, 2::3])
+
+
+def test_channels_last_keeps_its_layout():
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    r = x.to(R)
+    same(r * 2, x * 2)
+    out = (r * 2).cpu()
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    conv = torch.nn.Conv2d(3, 4, 3)
+    same(*both(lambda t: conv.to(t.device)(t), x), rtol=1e-4, atol=1e-5)
+
+
+def test_scalar_sync_points():
+    x = torch.tensor([1.5, -2.0, 3.0])
+    r = x.to(R)
+    assert r.sum().item() == pytest.approx(2.5)
+    assert r.tolist() == x.tolist()
+    assert bool((r > 0).any())
+    assert int(r.argmax()) == 2
+    assert float(r[0]) == 1.5
+    assert "rgpu" in repr(r) and "1.5000" in repr(r)
+    assert r.cpu().numpy().tolist() == x.tolist()
+
+
+def test_random_ops_follow_torch_manual_seed():
+    torch.manual_seed(7)
+    a = torch.randn(5, device=R).cpu()
+    torch.manual_seed(7)
+    b = torch.randn(5, device=R).cpu()
+    torch.manual_seed(8)
+    c = torch.randn(5, device=R).cpu()
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    d = torch.nn.functional.dropout(torch.ones(1000, device=R), 0.5).cpu()
+    assert 300 < int((d == 0).sum()) < 700

@@ -1,0 +1,134 @@
+"""Views, in-place ops and out= behave exactly as on CPU (functionalization underneath)."""
+
+import torch
+from conftest import same
+
+import rgpu  # noqa: F401
+
+R = "rgpu"
+
+
+def run_both(fn, *tensors):
+    """fn mutates its arguments; compares every argument and the result afterwards."""
+    cpu = [t.clone() for t in tensors]
+    dev = [t.to(R) for t in tensors]
+    out_cpu = fn(*cpu)
+    out_dev = fn(*dev)
+    for d, c in zip(dev, cpu):
+        same(d, c)
+    if out_cpu is not None:
+        same(out_dev, out_cpu)
+
+
+def test_an_in_place_op_on_a_view_changes_the_base():
+    def fn(x):
+        v = x[1]
+        v.add_(10)
+        return v
+
+    run_both(fn, torch.randn(3, 4))
+
+
+def test_views_of_views_see_in_place_updates():
+    def fn(x):
+        a = x.view(4, 6)
+        b = a[:, 1:5]
+        c = b.t()
+        c.mul_(2)
+        x.add_(1)
+        return c
+
+    run_both(fn, torch.randn(24))
+
+
+def test_in_place_on_a_strided_view_of_a_view():
+    def fn(x):
+        x[::2, 1::2].zero_()
+        x.transpose(0, 1)[1].fill_(7)
+        x.diagonal().add_(100)
+        return x.sum()
+
+    run_both(fn, torch.randn(6, 6))
+
+
+def test_out_argument():
+    def fn(a, b, out):
+        torch.add(a, b, out=out)
+        torch.mul(a[0], 2, out=out[0])
+        return out
+
+    run_both(fn, torch.randn(3, 4), torch.randn(3, 4), torch.empty(3, 4))
+
+
+def test_out_argument_that_must_be_resized():
+    def fn(a):
+        out = torch.empty(0, device=a.device)
+        torch.exp(a, out=out)
+        return out
+
+    run_both(fn, torch.randn(5))
+
+
+def test_split_and_chunk_alias_their_base():
+    def fn(x):
+        a, b = x.split(2)
+        c = x.chunk(3, dim=1)[2]
+        a.add_(1)
+        c.sub_(5)
+        b.copy_(torch.ones_like(b))
+        return torch.cat([a, b])
+
+    run_both(fn, torch.randn(4, 6))
+
+
+def test_expand_and_unbind():
+    def fn(x):
+        e = x[:1].expand(3, 4)
+        parts = x.unbind(0)
+        parts[2].neg_()
+        return e * 1, parts
+
+    run_both(fn, torch.randn(3, 4))
+
+
+def test_in_place_chain_on_base_then_view_read():
+    def fn(x):
+        v = x.view(-1)
+        x.relu_()
+        x.masked_fill_(x > 0.5, 0.5)
+        return v.clone()
+
+    run_both(fn, torch.randn(4, 4))
+
+
+def test_index_put_and_scatter_in_place():
+    def fn(x, idx):
+        x[idx] = 0
+        x.scatter_add_(0, idx.unsqueeze(1).expand(-1, 3), torch.ones(2, 3, device=x.device))
+        x.index_add_(0, idx, torch.full((2, 3), 2.0, device=x.device))
+        return x
+
+    run_both(fn, torch.randn(5, 3), torch.tensor([1, 3]))
+
+
+def test_detach_and_data_share_values():
+    def fn(x):
+        d = x.detach()
+        d.add_(1)
+        x.data.mul_(2)
+        return d
+
+    run_both(fn, torch.randn(3))
+
+
+def test_cpu_copy_into_and_out_of_rgpu():
+    x = torch.randn(3, 4)
+    r = torch.zeros(3, 4, device=R)
+    r.copy_(x)
+    same(r, x)
+    r[0].copy_(torch.ones(4))
+    x[0] = 1
+    same(r, x)
+    back = torch.empty(3, 4)
+    back.copy_(r)
+    torch.testing.assert_close(back, x)
