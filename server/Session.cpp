@@ -86,7 +86,7 @@ FrameOutcome Session::handle(const net::Frame &frame) {
   capnp::MallocMessageBuilder reply;
   auto sf = reply.initRoot<wire::ServerFrame>();
   try {
-    auto reader = net::openFrame(frame, wire::readerOptions(ctx_.limits(), frame.bytes));
+    auto reader = net::openFrame(frame, ctx_.limits());
     auto cf = reader->getRoot<wire::ClientFrame>();
     seq = cf.getSeq();
     wantReply = cf.getWantReply();

@@ -555,7 +555,7 @@ std::vector<std::string> Session::flush(bool wantReply,
   std::string error;
   bool fatal = false;
   try {
-    auto reader = net::openFrame(reply, wire::readerOptions(limits_, reply.bytes));
+    auto reader = net::openFrame(reply, limits_);
     auto sf = reader->getRoot<wire::ServerFrame>();
     for (auto r : sf.getResults()) {
       switch (r.which()) {

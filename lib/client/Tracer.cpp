@@ -15,6 +15,9 @@
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -32,6 +35,10 @@ at::Tensor makeLazy(Value v, const ir::TensorMeta &m) {
 
 ir::TensorMeta metaOf(const at::Tensor &t) {
   ir::TensorMeta m;
+  if (!t.defined()) {
+    m.dtype = ir::dtype::Undefined;
+    return m;
+  }
   m.dtype = static_cast<int8_t>(t.scalar_type());
   m.sizes.assign(t.sizes().begin(), t.sizes().end());
   m.strides.assign(t.strides().begin(), t.strides().end());
@@ -316,7 +323,7 @@ private:
 /// Wraps outputs for the user unless we are already inside functionalization (which wraps them
 /// itself). Factories reach the backend directly, so their results are wrapped here.
 at::Tensor forUser(at::Tensor t) {
-  if (c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Functionalize))
+  if (!t.defined() || c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Functionalize))
     return t;
   return at::functionalization::impl::to_functional_tensor(t);
 }
@@ -417,7 +424,9 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   if (traced) {
     node->node.outputs.assign(metas.begin(), metas.end());
     for (uint32_t i = 0; i < metas.size(); ++i)
-      outs.push_back(makeLazy(Value{node, i, nullptr}, metas[i]));
+      outs.push_back(metas[i].dtype == ir::dtype::Undefined
+                         ? at::Tensor()
+                         : makeLazy(Value{node, i, nullptr}, metas[i]));
   } else {
     size_t count = schema.returns().size();
     TORCH_CHECK_NOT_IMPLEMENTED(
@@ -462,6 +471,29 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
   void destroyEvent(void *, const c10::DeviceIndex) const noexcept override {}
   void synchronizeDevice(const c10::DeviceIndex) const override { Session::get().synchronize(); }
 };
+
+/// What PyTorch asks of an accelerator backend (the autograd engine asks before running
+/// backward on rgpu tensors). rgpu's generator lives on the server; the client-side one
+/// exists only to satisfy callers that ask for a default generator and never draws.
+struct Hooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  c10::DeviceIndex deviceCount() const override { return 1; }
+  c10::DeviceIndex getCurrentDevice() const override { return 0; }
+  const at::Generator &getDefaultGenerator(c10::DeviceIndex) const override {
+    static at::Generator generator = at::make_generator<at::CPUGeneratorImpl>();
+    return generator;
+  }
+  at::Device getDeviceFromPtr(void *) const override { return {c10::DeviceType::PrivateUse1, 0}; }
+  bool isPinnedPtr(const void *) const override { return false; }
+  at::Allocator *getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+};
+
+const bool hooksRegistered = [] {
+  at::RegisterPrivateUse1HooksInterface(new Hooks());
+  return true;
+}();
 
 } // namespace
 

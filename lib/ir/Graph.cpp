@@ -66,6 +66,7 @@ std::string name(int8_t d) {
   case ComplexDouble: return "c128";
   case Bool: return "b8";
   case BFloat16: return "bf16";
+  case Undefined: return "undefined";
   default: return "dtype<" + std::to_string(int(d)) + ">";
   }
 }
@@ -395,8 +396,9 @@ std::string verifyStructure(const Graph &g) {
       }
     }
     for (const TensorMeta &m : node.outputs)
-      if (std::string e = checkMeta(m); !e.empty())
-        return where + e;
+      if (m.dtype != dtype::Undefined)
+        if (std::string e = checkMeta(m); !e.empty())
+          return where + e;
     defined += node.outputs.size();
   }
   for (uint32_t v : g.outputs)

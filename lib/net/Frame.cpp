@@ -44,8 +44,8 @@ std::string encodeFrame(capnp::MessageBuilder &message, bool pack) {
   return out;
 }
 
-std::unique_ptr<capnp::MessageReader> openFrame(const Frame &frame,
-                                                const capnp::ReaderOptions &options) {
+std::unique_ptr<capnp::MessageReader> openFrame(const Frame &frame, const wire::Limits &limits) {
+  capnp::ReaderOptions options = wire::readerOptions(limits, frame.bytes, frame.flags & kFlagPacked);
   auto bytes = frame.words.asBytes().slice(0, frame.bytes);
   if (frame.flags & kFlagPacked) {
     // The packed reader may pull segments lazily, so it must own the stream it reads from.

@@ -11,10 +11,11 @@ template <typename Vec, typename List> void copyList(Vec &out, List in) {
 }
 } // namespace
 
-capnp::ReaderOptions readerOptions(const Limits &limits, uint64_t frameBytes) {
+capnp::ReaderOptions readerOptions(const Limits &limits, uint64_t frameBytes, bool packed) {
   capnp::ReaderOptions o;
-  // Words the reader may visit: the frame itself, twice over for lists read more than once.
-  o.traversalLimitInWords = 2 * (frameBytes / sizeof(capnp::word)) + 1024;
+  uint64_t bytes = packed ? std::min(limits.maxFrameBytes, 64 * frameBytes + (1u << 20))
+                          : 2 * frameBytes;
+  o.traversalLimitInWords = bytes / sizeof(capnp::word) + 1024;
   o.nestingLimit = limits.nestingLimit;
   return o;
 }
@@ -172,6 +173,10 @@ std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g) {
     copyList(node.scalars, nr.getScalars());
     for (auto m : nr.getOutputs()) {
       node.outputs.emplace_back();
+      if (m.getDtype() == ir::dtype::Undefined && m.getSizes().size() == 0) {
+        node.outputs.back().dtype = ir::dtype::Undefined;
+        continue;
+      }
       if (!decodeMeta(m, node.outputs.back()))
         return "malformed output tensor meta in " + node.op.str().str();
     }

@@ -48,6 +48,8 @@ namespace dtype {
 constexpr int8_t Byte = 0, Char = 1, Short = 2, Int = 3, Long = 4, Half = 5, Float = 6,
                  Double = 7, ComplexHalf = 8, ComplexFloat = 9, ComplexDouble = 10, Bool = 11,
                  BFloat16 = 15;
+/// The dtype of a node output that is an undefined tensor (e.g. a gradient not asked for).
+constexpr int8_t Undefined = -1;
 /// Short name used in dumps: "f32", "i64", "bf16"; "dtype<N>" for the rest.
 std::string name(int8_t dtype);
 /// Bytes per element, or 0 if unknown.

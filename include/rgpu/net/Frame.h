@@ -7,6 +7,8 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "rgpu/wire/Wire.h"
+
 #include <capnp/message.h>
 #include <kj/array.h>
 
@@ -32,9 +34,9 @@ struct Frame {
 /// packing roughly halves the size); data-heavy frames are sent flat.
 std::string encodeFrame(capnp::MessageBuilder &message, bool pack);
 
-/// Opens a reader over a received frame. Throws kj::Exception on a malformed message.
-std::unique_ptr<capnp::MessageReader> openFrame(const Frame &frame,
-                                                const capnp::ReaderOptions &options);
+/// Opens a reader over a received frame, with reader limits derived from \p limits and the
+/// frame's size. Throws kj::Exception on a malformed message.
+std::unique_ptr<capnp::MessageReader> openFrame(const Frame &frame, const wire::Limits &limits);
 
 /// Incremental parser: bytes in, whole frames out. Refuses a wrong magic, unknown flags or a
 /// length over the limit, and stays in the error state after that.

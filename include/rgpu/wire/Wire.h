@@ -31,9 +31,11 @@ struct Limits {
   uint32_t maxNodes = 1u << 20;
 };
 
-/// Reader options for a frame of \p frameBytes: the traversal limit is the frame's own size (plus
-/// slack), so a message can never make the reader walk more than it was sent.
-capnp::ReaderOptions readerOptions(const Limits &limits, uint64_t frameBytes);
+/// Reader options for a frame of \p frameBytes. The traversal limit, which also bounds what the
+/// reader allocates, is tied to the frame's size: twice the words sent for a flat frame, and for a
+/// packed one a bounded expansion (packing turns a run of zero words into two bytes), never more
+/// than the frame limit.
+capnp::ReaderOptions readerOptions(const Limits &limits, uint64_t frameBytes, bool packed);
 
 void encodeMeta(const ir::TensorMeta &m, TensorMeta::Builder b);
 /// Returns false if the meta is malformed (rank mismatch, bad dtype, negative size).

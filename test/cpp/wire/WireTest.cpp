@@ -44,7 +44,7 @@ void roundTrip(bool pack, Fill fill, Check check) {
     ASSERT_TRUE(d.feed(&c, 1));
   net::Frame f;
   ASSERT_TRUE(d.next(f));
-  auto reader = net::openFrame(f, wire::readerOptions({}, f.bytes));
+  auto reader = net::openFrame(f, wire::Limits());
   check(reader->getRoot<wire::ClientFrame>());
 }
 } // namespace
@@ -125,7 +125,7 @@ TEST(Wire, ServerFrameCarriesResultsAndError) {
   ASSERT_TRUE(d.feed(bytes.data(), bytes.size()));
   net::Frame frame;
   ASSERT_TRUE(d.next(frame));
-  auto reader = net::openFrame(frame, wire::readerOptions({}, frame.bytes));
+  auto reader = net::openFrame(frame, wire::Limits());
   auto r = reader->getRoot<wire::ServerFrame>();
   EXPECT_EQ(r.getAckSeq(), 3u);
   EXPECT_EQ(r.getResults()[0].getHello().getDevice(), "cpu");
@@ -164,7 +164,7 @@ TEST(Wire, TruncatedMessageThrowsInsteadOfCrashing) {
   net::Frame f;
   ASSERT_TRUE(d.next(f));
   EXPECT_ANY_THROW({
-    auto r = net::openFrame(f, wire::readerOptions({}, f.bytes));
+    auto r = net::openFrame(f, wire::Limits());
     auto cmds = r->getRoot<wire::ClientFrame>().getCommands();
     ir::Graph g;
     wire::decodeGraph(cmds[0].getDefine().getGraph(), {}, g);

@@ -1,0 +1,137 @@
+"""Autograd and training on rgpu match CPU eager, step for step, at one wait per step."""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import same
+
+import rgpu
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from models import SmallCNN, TinyGPT, gpt_batch, gpt_optimizer  # noqa: E402
+
+R = "rgpu"
+
+
+def twins(module):
+    torch.manual_seed(0)
+    cpu = module()
+    dev = copy.deepcopy(cpu).to(R)
+    return cpu, dev
+
+
+def assert_params_match(dev, cpu, atol=1e-5):
+    for (name, p), (_, q) in zip(dev.named_parameters(), cpu.named_parameters()):
+        same(p, q, rtol=1e-5, atol=atol)
+        if q.grad is not None:
+            same(p.grad, q.grad, rtol=1e-4, atol=atol)
+    for (name, b), (_, c) in zip(dev.named_buffers(), cpu.named_buffers()):
+        same(b, c, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "make,shape",
+    [
+        (lambda: nn.Linear(5, 3), (4, 5)),
+        (lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 2, 5, 5)),
+        (lambda: nn.LayerNorm(6), (3, 6)),
+        (lambda: nn.BatchNorm2d(3), (4, 3, 5, 5)),
+        (lambda: nn.BatchNorm1d(4), (8, 4)),
+    ],
+)
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_module_gradients_and_optimizer_steps_match_cpu(make, shape, optim):
+    cpu, dev = twins(make)
+    cpu.train()
+    dev.train()
+
+    def opt_for(m):
+        if optim == "sgd":
+            return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.Adam(m.parameters(), lr=0.01, foreach=True)
+
+    oc, od = opt_for(cpu), opt_for(dev)
+    for step in range(3):
+        x = torch.randn(*shape)
+        for m, o, inp in ((cpu, oc, x), (dev, od, x.to(R))):
+            o.zero_grad()
+            loss = (m(inp) ** 2).mean()
+            loss.backward()
+            o.step()
+    assert_params_match(dev, cpu)
+
+
+def test_input_gradients():
+    x = torch.randn(3, 4, requires_grad=True)
+    xr = x.detach().to(R).requires_grad_()
+    (x.sin() * x).sum().backward()
+    (xr.sin() * xr).sum().backward()
+    same(xr.grad, x.grad)
+
+
+def train_cnn(device, steps=20):
+    torch.manual_seed(0)
+    model = SmallCNN().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 1, 16, 16, generator=g)
+        y = torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+def train_gpt(device, steps=20, item_every_step=True):
+    torch.manual_seed(0)
+    model = TinyGPT().to(device)
+    opt, sched = gpt_optimizer(model, steps)
+    losses, per_step = [], []
+    for step in range(steps):
+        idx, tgt = gpt_batch(step)
+        before = rgpu.stats()
+        opt.zero_grad()
+        loss = model(idx.to(device), tgt.to(device))
+        loss.backward()
+        opt.step()
+        sched.step()
+        if item_every_step:
+            losses.append(loss.item())
+        after = rgpu.stats()
+        per_step.append({k: after[k] - before[k] for k in after})
+    return losses, model, per_step
+
+
+def test_cnn_with_batchnorm_trains_like_cpu():
+    cpu_losses, cpu_model = train_cnn("cpu")
+    dev_losses, dev_model = train_cnn(R)
+    torch.testing.assert_close(dev_losses, cpu_losses, rtol=1e-4, atol=1e-5)
+    assert_params_match(dev_model, cpu_model, atol=1e-4)
+
+
+def test_gpt_trains_like_cpu_at_one_wait_per_step():
+    cpu_losses, cpu_model, _ = train_gpt("cpu")
+    dev_losses, dev_model, per_step = train_gpt(R)
+    torch.testing.assert_close(dev_losses, cpu_losses, rtol=1e-4, atol=1e-5)
+    assert cpu_losses[-1] < cpu_losses[0]
+    assert_params_match(dev_model, cpu_model, atol=1e-4)
+    for s in per_step[3:]:
+        up = s["bytes_out"] - 2 * (8 * 16 * 8) - 2 * 64  # the batch's two int64 uploads + headers
+        assert s["waits"] == 1, s
+        assert s["messages"] <= 2, s
+        assert up <= 2048, s
+        assert s["graphs_shipped"] == 0, s
+
+
+def test_gpt_without_item_never_waits():
+    _, _, per_step = train_gpt(R, steps=13, item_every_step=False)
+    assert sum(s["waits"] for s in per_step[3:]) == 0, per_step
+    assert all(s["graphs_shipped"] == 0 for s in per_step[3:]), per_step
