@@ -432,6 +432,10 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
             values[out++].tensor = r.toTensor();
           }
         }
+        for (uint32_t k = step.firstOutput; k < out; ++k)
+          if (values[k].tensor.defined() && values[k].tensor.layout() != at::kStrided)
+            throw std::runtime_error("returned a non-strided tensor; rgpu supports strided "
+                                     "tensors only");
         if (out != step.firstOutput + step.numOutputs)
           throw std::runtime_error("produced " + std::to_string(out - step.firstOutput) +
                                    " outputs, the client expected " +

@@ -95,6 +95,9 @@ FrameOutcome Session::handle(const net::Frame &frame) {
         fatal = "the first command of a session must be Hello";
         break;
       }
+      // A command that fails in a way no node caught (a bad layout in a download, an allocation
+      // failure) becomes this session's error; the server and the session go on.
+      try {
       switch (cmd.which()) {
       case wire::Command::HELLO:
         results.push_back({wire::Result::HELLO, nullptr, {}});
@@ -132,6 +135,15 @@ FrameOutcome Session::handle(const net::Frame &frame) {
         break;
       default:
         fatal = "unknown command";
+      }
+      } catch (const kj::Exception &) {
+        throw;
+      } catch (const std::exception &e) {
+        const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
+        fail(protocolError(ce ? ce->what_without_backtrace() : e.what()));
+        if (cmd.which() == wire::Command::DOWNLOAD && results.size() &&
+            results.back().kind == wire::Result::DATA)
+          results.back().data = nullptr;
       }
       if (!fatal.empty())
         break;

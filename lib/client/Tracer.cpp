@@ -71,6 +71,17 @@ bool isDataDependent(llvm::StringRef name) {
   return ops.count(name) != 0;
 }
 
+/// Ops that produce layouts other than strided (sparse, mkldnn, quantized, nested). The server
+/// holds strided tensors only, so they are refused at the call.
+bool producesOtherLayouts(llvm::StringRef name) {
+  name.consume_front("aten::");
+  name = name.ltrim('_');
+  return name.startswith("to_sparse") || name.startswith("sparse_") ||
+         name.startswith("to_mkldnn") || name.startswith("mkldnn_") ||
+         name.startswith("quantize_per") || name.startswith("nested_") ||
+         name.startswith("make_per_") || name.startswith("coo_") || name.startswith("csr_");
+}
+
 /// Ops that accept CPU tensors with an rgpu self, as they do with CUDA: the CPU tensors are
 /// uploaded (copy's source, the index tensors of indexing).
 bool acceptsCpuTensors(llvm::StringRef name) {
@@ -118,6 +129,16 @@ public:
       throw;
     }
     for (const c10::IValue &r : meta_) {
+      auto checkLayout = [&](const at::Tensor &t) {
+        TORCH_CHECK_NOT_IMPLEMENTED(!t.defined() || t.layout() == at::kStrided, "rgpu: ",
+                                    fullName(op_), " returns a ", t.layout(),
+                                    " tensor; rgpu supports strided tensors only");
+      };
+      if (r.isTensor())
+        checkLayout(r.toTensor());
+      if (r.isTensorList())
+        for (const at::Tensor &t : r.toTensorList())
+          checkLayout(t);
       if (r.isTensor()) {
         outs.push_back(metaOf(r.toTensor()));
       } else if (r.isTensorList()) {
@@ -408,6 +429,8 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   llvm::StringRef name = op.operator_name().name;
   if (special(name, op, stack))
     return;
+  TORCH_CHECK_NOT_IMPLEMENTED(!producesOtherLayouts(name), "rgpu: ", Recorder::fullName(op),
+                              " makes a non-strided tensor; rgpu supports strided tensors only");
   TORCH_CHECK(!schema.is_mutable(), "rgpu: ", Recorder::fullName(op),
               " mutates its input but reached the rgpu backend without functionalization");
 

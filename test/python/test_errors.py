@@ -1,0 +1,153 @@
+"""Bad input gets a clear, named error at the right place, and the session goes on."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import run_client, same
+
+import rgpu
+
+R = "rgpu"
+THIS_FILE = os.path.basename(__file__)
+
+
+def lineno_of(marker):
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if marker in line and "lineno_of" not in line:
+                return i
+    raise AssertionError(marker)
+
+
+def test_a_shape_error_raises_locally_with_torchs_message():
+    a = torch.ones(2, 3, device=R)
+    before = rgpu.stats()["waits"]
+    with pytest.raises(RuntimeError, match=r"\[2, 3\] X \[2, 3\]") as info:
+        a @ a
+    assert not isinstance(info.value, rgpu.RemoteError)
+    with pytest.raises(RuntimeError, match="broadcast"):
+        a + torch.ones(4, device=R)
+    assert rgpu.stats()["waits"] == before
+
+
+def test_mixing_devices_raises_like_torch_but_cpu_scalars_are_fine():
+    a = torch.ones(3, device=R)
+    with pytest.raises(RuntimeError, match="same device"):
+        a + torch.ones(3)
+    same(a + torch.tensor(2.0), torch.full((3,), 3.0))
+    same(a * 2, torch.full((3,), 2.0))
+
+
+def test_an_explicit_generator_is_refused_at_the_call():
+    g = torch.Generator()
+    with pytest.raises(TypeError, match="generator"):
+        torch.randn(3, device=R, generator=g)
+    same(torch.ones(2, device=R) + 1, torch.full((2,), 2.0))
+
+
+def test_sparse_layouts_are_refused_at_the_call():
+    with pytest.raises((NotImplementedError, TypeError), match="strided"):
+        torch.ones(2, 2, device=R).to_sparse()
+    same(torch.ones(2, device=R) * 3, torch.full((2,), 3.0))
+
+
+def test_a_failure_only_the_data_reveals_names_the_op_and_the_users_line():
+    x = torch.randn(4, 3, device=R)
+    bad = torch.tensor([0, 7]).to(R)
+    y = x.index_select(0, bad)  # the failing line
+    with pytest.raises(rgpu.RemoteError) as info:
+        y.sum().item()
+    message = str(info.value)
+    assert "index_select" in message
+    assert f"{THIS_FILE}:{lineno_of('# the failing line')}" in message
+    assert isinstance(info.value, RuntimeError)
+    # Reading the poisoned tensor again raises again; everything else goes on working.
+    with pytest.raises(rgpu.RemoteError, match="index_select"):
+        y.cpu()
+    same(x.sum(dim=0) * 0 + 1, torch.ones(3))
+
+
+def test_from_file_is_refused_and_reads_nothing(tmp_path):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"\x01" * 64)
+    before = rgpu.stats()["bytes_in"]
+    with pytest.raises(rgpu.RemoteError, match="from_file"):
+        torch.from_file(str(secret), size=16, dtype=torch.float32, device=R)
+    assert rgpu.stats()["bytes_in"] - before < 1024
+    same(torch.ones(1, device=R), torch.ones(1))
+
+
+def test_a_refused_connection_says_how_to_start_the_server():
+    r = run_client("127.0.0.1:1", "import torch, rgpu\ntorch.ones(1, device='rgpu').item()")
+    assert r.returncode != 0
+    assert "SessionLost" in r.stderr and "rgpu-opserver" in r.stderr, r.stderr
+
+
+def test_a_killed_server_becomes_session_lost_quickly(fresh_server):
+    code = f"""
+import os, signal, time, torch, rgpu
+x = torch.ones(4, device='rgpu')
+assert x.sum().item() == 4
+os.kill({fresh_server.proc.pid}, signal.SIGKILL)
+time.sleep(0.2)
+start = time.time()
+try:
+    (x * 2).sum().item()
+    print('no error')
+except rgpu.SessionLost as e:
+    print('lost after', time.time() - start)
+try:
+    torch.ones(1, device='rgpu').item()
+except rgpu.SessionLost:
+    print('still lost')
+"""
+    r = run_client(fresh_server.address, code, env={"RGPU_RECONNECT_SECONDS": "2"}, timeout=30)
+    assert "lost after" in r.stdout, r.stdout + r.stderr
+    assert float(r.stdout.split("lost after")[1].split()[0]) < 2.5
+    assert "still lost" in r.stdout
+
+
+TRAIN = """
+import os, sys, torch, rgpu
+sys.path.insert(0, {examples!r})
+from models import SmallCNN, TinyGPT, gpt_batch, gpt_optimizer
+torch.manual_seed(0)
+kind = {kind!r}
+if kind == 'gpt':
+    model = TinyGPT().to('rgpu')
+    opt, _ = gpt_optimizer(model)
+else:
+    model = SmallCNN().to('rgpu')
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+losses = []
+for step in range(8):
+    opt.zero_grad()
+    if kind == 'gpt':
+        idx, tgt = gpt_batch(step)
+        loss = model(idx.to('rgpu'), tgt.to('rgpu'))
+    else:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 1, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x.to('rgpu')), y.to('rgpu'))
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+print(repr(losses))
+"""
+
+
+def test_two_clients_training_at_once_get_their_solo_results(server):
+    import subprocess
+    import sys
+
+    examples = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+    codes = [TRAIN.format(examples=examples, kind=k) for k in ("gpt", "cnn")]
+    solo = [run_client(server.address, c).stdout for c in codes]
+    env = dict(os.environ, RGPU_OPSERVER=server.address)
+    procs = [subprocess.Popen([sys.executable, "-c", c], env=env, stdout=subprocess.PIPE, text=True) for c in codes]
+    together = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(s.strip().startswith("[") for s in solo), solo
+    assert together == solo
