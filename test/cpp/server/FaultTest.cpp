@@ -1,0 +1,346 @@
+// A real rgpu-opserver process fed bad input over TCP: each bad peer gets an error or a closed
+// connection, the server stays up, and a well-behaved session alongside it keeps computing.
+#include "rgpu/net/Frame.h"
+#include "rgpu/wire/Wire.h"
+
+#include <capnp/message.h>
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <cstring>
+#include <optional>
+#include <regex>
+#include <thread>
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+using namespace rgpu;
+
+namespace {
+
+struct ServerProcess {
+  pid_t pid = -1;
+  int port = 0;
+
+  ServerProcess() {
+    int fds[2];
+    if (pipe(fds) != 0)
+      return;
+    pid = fork();
+    if (pid == 0) {
+      dup2(fds[1], 2);
+      close(fds[0]);
+      int null = open("/dev/null", O_WRONLY);
+      dup2(null, 1);
+      execl(RGPU_OPSERVER_PATH, RGPU_OPSERVER_PATH, "--device", "cpu", "--port", "0",
+            "--max-frame-mib", "64", nullptr);
+      _exit(127);
+    }
+    close(fds[1]);
+    FILE *err = fdopen(fds[0], "r");
+    char line[512];
+    std::regex listening("listening on [0-9.]+:([0-9]+)");
+    while (fgets(line, sizeof line, err)) {
+      std::cmatch m;
+      if (std::regex_search(line, m, listening)) {
+        port = std::stoi(m[1]);
+        break;
+      }
+    }
+    // Keep draining the log so the server never blocks on a full pipe.
+    std::thread([err] {
+      char buf[512];
+      while (fgets(buf, sizeof buf, err)) {
+      }
+      fclose(err);
+    }).detach();
+  }
+  ~ServerProcess() {
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+  bool alive() const { return pid > 0 && waitpid(pid, nullptr, WNOHANG) == 0; }
+};
+
+ServerProcess &server() {
+  static ServerProcess s; // killed when the test binary exits
+  return s;
+}
+
+ir::TensorMeta vec3() {
+  ir::TensorMeta m;
+  m.sizes = {3};
+  m.strides = {1};
+  return m;
+}
+
+/// x * x on one f32[3] input.
+ir::Graph square() {
+  ir::Graph g;
+  g.inputs = {vec3()};
+  ir::Node n;
+  n.op = ir::Symbol::get("aten::mul.Tensor");
+  n.operands = {0, 0};
+  n.args = {ir::Arg::ref(ir::Arg::Kind::Tensor, 0), ir::Arg::ref(ir::Arg::Kind::Tensor, 1)};
+  n.outputs = {vec3()};
+  g.nodes.push_back(n);
+  g.outputs = {1};
+  return g;
+}
+
+/// A client speaking the wire protocol by hand.
+class Peer {
+public:
+  Peer() : decoder_(wire::Limits().maxFrameBytes) {
+    std::string error;
+    EXPECT_TRUE(socket_.connect("127.0.0.1", server().port, error)) << error;
+  }
+
+  bool sendRaw(const std::string &bytes) { return socket_.sendAll(bytes); }
+
+  /// Sends one frame built by \p fill; returns the reply if \p wantReply.
+  template <typename Fill> std::optional<net::Frame> send(bool wantReply, size_t n, Fill fill) {
+    capnp::MallocMessageBuilder b;
+    auto f = b.initRoot<wire::ClientFrame>();
+    f.setSeq(++seq_);
+    f.setWantReply(wantReply);
+    fill(f.initCommands(n));
+    if (!socket_.sendAll(net::encodeFrame(b, true)))
+      return std::nullopt;
+    if (!wantReply)
+      return net::Frame();
+    net::Frame reply;
+    if (socket_.receive(decoder_, reply, 10000) != net::Socket::Status::Ok)
+      return std::nullopt;
+    return reply;
+  }
+
+  /// True if the server closed this connection (within a few seconds).
+  bool closedByServer() {
+    net::Frame f;
+    for (;;) {
+      auto s = socket_.receive(decoder_, f, 5000);
+      if (s == net::Socket::Status::Ok)
+        continue; // an error frame before the close
+      return s == net::Socket::Status::Closed || s == net::Socket::Status::Error;
+    }
+  }
+
+  void hello() {
+    auto reply = send(true, 1, [](auto cmds) {
+      auto h = cmds[0].initHello();
+      h.setProtocol(wire::kProtocolVersion);
+    });
+    ASSERT_TRUE(reply);
+  }
+
+  /// The error message in a reply, or "" if none.
+  static std::string errorOf(const net::Frame &reply) {
+    auto r = net::openFrame(reply, wire::Limits());
+    auto sf = r->getRoot<wire::ServerFrame>();
+    return sf.hasError() ? std::string(sf.getError().getMessage()) : "";
+  }
+
+  /// Uploads [1, 2, 3], squares it on the server and reads it back.
+  std::vector<float> squareOnServer() {
+    uint64_t in = next_++, out = next_++;
+    ir::Graph g = square();
+    ir::Hash128 hash = ir::hashGraph(g);
+    auto reply = send(true, 4, [&](auto cmds) {
+      float data[3] = {1, 2, 3};
+      auto up = cmds[0].initUpload();
+      up.setHandle(in);
+      wire::encodeMeta(vec3(), up.initMeta());
+      up.setTotal(12);
+      up.setData(kj::arrayPtr(reinterpret_cast<const kj::byte *>(data), 12));
+      auto def = cmds[1].initDefine();
+      wire::encodeHash(hash, def.initHash());
+      wire::encodeGraph(g, def.initGraph());
+      auto run = cmds[2].initRun();
+      wire::encodeHash(hash, run.initHash());
+      run.initInputs(1).set(0, in);
+      run.setFirstOutput(out);
+      run.setNumOutputs(1);
+      auto down = cmds[3].initDownload();
+      down.setHandle(out);
+      wire::encodeMeta(vec3(), down.initMeta());
+    });
+    if (!reply)
+      return {};
+    auto r = net::openFrame(*reply, wire::Limits());
+    auto results = r->getRoot<wire::ServerFrame>().getResults();
+    if (results.size() != 1 || results[0].getData().size() != 12)
+      return {};
+    std::vector<float> v(3);
+    std::memcpy(v.data(), results[0].getData().begin(), 12);
+    return v;
+  }
+
+private:
+  net::Socket socket_;
+  net::FrameDecoder decoder_;
+  uint64_t seq_ = 0;
+  uint64_t next_ = 100;
+};
+
+/// The well-behaved session that runs alongside every bad one.
+Peer &good() {
+  static Peer *p = [] {
+    auto *peer = new Peer();
+    peer->hello();
+    return peer;
+  }();
+  return *p;
+}
+
+void expectGoodSessionUnaffected() {
+  ASSERT_TRUE(server().alive());
+  EXPECT_EQ(good().squareOnServer(), (std::vector<float>{1, 4, 9}));
+}
+
+} // namespace
+
+TEST(Faults, GarbageBytesCloseOnlyThatConnection) {
+  expectGoodSessionUnaffected();
+  Peer bad;
+  bad.sendRaw(std::string(4096, '\x5a'));
+  EXPECT_TRUE(bad.closedByServer());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, AnHttpRequestIsRefused) {
+  Peer bad;
+  bad.sendRaw("GET / HTTP/1.1\r\nHost: localhost\r\n\r\n");
+  EXPECT_TRUE(bad.closedByServer());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, AFrameClaimingTwoToTheSixtyBytesIsRefusedBeforeAllocating) {
+  Peer bad;
+  char header[net::kHeaderBytes];
+  uint32_t magic = net::kMagic, flags = 0;
+  uint64_t length = uint64_t(1) << 60;
+  memcpy(header, &magic, 4);
+  memcpy(header + 4, &flags, 4);
+  memcpy(header + 8, &length, 8);
+  bad.sendRaw(std::string(header, sizeof header));
+  EXPECT_TRUE(bad.closedByServer());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, ATruncatedMessageGetsAnErrorAndAClose) {
+  Peer bad;
+  bad.hello();
+  capnp::MallocMessageBuilder b;
+  auto f = b.initRoot<wire::ClientFrame>();
+  f.setWantReply(true);
+  wire::encodeGraph(square(), f.initCommands(1)[0].initDefine().initGraph());
+  std::string bytes = net::encodeFrame(b, false);
+  uint64_t shorter = 24; // a segment table claiming more words than follow
+  memcpy(&bytes[8], &shorter, 8);
+  bytes.resize(net::kHeaderBytes + shorter);
+  bad.sendRaw(bytes);
+  EXPECT_TRUE(bad.closedByServer());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, ADefineNamingAnUnknownOpIsAnErrorAndTheSessionGoesOn) {
+  Peer bad;
+  bad.hello();
+  ir::Graph g = square();
+  g.nodes[0].op = ir::Symbol::get("aten::definitely_not_an_op");
+  ir::Hash128 hash = ir::hashGraph(g);
+  auto reply = bad.send(true, 1, [&](auto cmds) {
+    auto def = cmds[0].initDefine();
+    wire::encodeHash(hash, def.initHash());
+    wire::encodeGraph(g, def.initGraph());
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("unknown op"), std::string::npos) << Peer::errorOf(*reply);
+  EXPECT_EQ(bad.squareOnServer(), (std::vector<float>{1, 4, 9}));
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, ADefineOfFromFileIsRefusedByName) {
+  Peer bad;
+  bad.hello();
+  ir::Graph g;
+  ir::Node n;
+  n.op = ir::Symbol::get("aten::from_file");
+  n.strings = {"/etc/hostname"};
+  n.args = {ir::Arg::ref(ir::Arg::Kind::Str, 0), ir::Arg::none(), ir::Arg::integer(4),
+            ir::Arg::none(), ir::Arg::none(), ir::Arg::none(), ir::Arg::none()};
+  n.outputs = {vec3()};
+  g.nodes.push_back(n);
+  g.outputs = {0};
+  ir::Hash128 hash = ir::hashGraph(g);
+  auto reply = bad.send(true, 3, [&](auto cmds) {
+    auto def = cmds[0].initDefine();
+    wire::encodeHash(hash, def.initHash());
+    wire::encodeGraph(g, def.initGraph());
+    auto run = cmds[1].initRun();
+    wire::encodeHash(hash, run.initHash());
+    run.setFirstOutput(7);
+    run.setNumOutputs(1);
+    cmds[2].initDownload().setHandle(7);
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("aten::from_file"), std::string::npos);
+  auto r = net::openFrame(*reply, wire::Limits());
+  for (auto result : r->getRoot<wire::ServerFrame>().getResults())
+    EXPECT_EQ(result.getData().size(), 0u); // nothing of the file came back
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, RunsNamingUnknownGraphsOrHandlesAreErrors) {
+  Peer bad;
+  bad.hello();
+  auto unknownHash = bad.send(true, 1, [](auto cmds) {
+    auto run = cmds[0].initRun();
+    wire::encodeHash({1, 2}, run.initHash());
+    run.setFirstOutput(5);
+    run.setNumOutputs(1);
+  });
+  ASSERT_TRUE(unknownHash);
+  EXPECT_NE(Peer::errorOf(*unknownHash).find("unknown graph"), std::string::npos);
+
+  ir::Graph g = square();
+  ir::Hash128 hash = ir::hashGraph(g);
+  auto unknownHandle = bad.send(true, 2, [&](auto cmds) {
+    auto def = cmds[0].initDefine();
+    wire::encodeHash(hash, def.initHash());
+    wire::encodeGraph(g, def.initGraph());
+    auto run = cmds[1].initRun();
+    wire::encodeHash(hash, run.initHash());
+    run.initInputs(1).set(0, 424242);
+    run.setFirstOutput(6);
+    run.setNumOutputs(1);
+  });
+  ASSERT_TRUE(unknownHandle);
+  EXPECT_NE(Peer::errorOf(*unknownHandle).find("unknown tensor handle 424242"), std::string::npos);
+  // Another session's handles are not reachable either: the good peer's are 100 and up.
+  auto foreign = bad.send(true, 1, [](auto cmds) {
+    auto down = cmds[0].initDownload();
+    down.setHandle(101);
+    wire::encodeMeta(vec3(), down.initMeta());
+  });
+  ASSERT_TRUE(foreign);
+  EXPECT_NE(Peer::errorOf(*foreign).find("unknown tensor handle"), std::string::npos);
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, AGraphThatDoesNotMatchItsHashIsRefused) {
+  Peer bad;
+  bad.hello();
+  auto reply = bad.send(true, 1, [](auto cmds) {
+    auto def = cmds[0].initDefine();
+    wire::encodeHash({3, 4}, def.initHash());
+    wire::encodeGraph(square(), def.initGraph());
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("does not match its hash"), std::string::npos);
+  expectGoodSessionUnaffected();
+}
