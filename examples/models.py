@@ -68,12 +68,14 @@ class TinyGPT(nn.Module):
 def gpt_batch(step, batch=8, context=16, vocab=64):
     """A deterministic batch: the next token is a function of the current one, so loss falls."""
     g = torch.Generator().manual_seed(step)
-    idx = torch.randint(0, vocab, (batch, context + 1), generator=g)
-    idx[:, 1:] = (idx[:, :-1] * 7 + 3) % vocab
+    idx = torch.empty(batch, context + 1, dtype=torch.long)
+    idx[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+    for j in range(context):
+        idx[:, j + 1] = (idx[:, j] * 7 + 3) % vocab
     return idx[:, :-1], idx[:, 1:]
 
 
 def gpt_optimizer(model, steps=20):
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5) * (1 - s / (steps + 1)))
     return opt, sched

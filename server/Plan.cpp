@@ -150,6 +150,9 @@ std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error) {
     return nullptr;
   }
   plan->metas_ = plan->graph_.valueMetas();
+  plan->producer_.assign(plan->graph_.inputs.size(), 0);
+  for (uint32_t n = 0; n < plan->graph_.nodes.size(); ++n)
+    plan->producer_.insert(plan->producer_.end(), plan->graph_.nodes[n].outputs.size(), n);
   uint32_t next = plan->graph_.inputs.size();
   for (uint32_t n = 0; n < plan->graph_.nodes.size(); ++n) {
     if (std::string e = plan->addStep(n, next); !e.empty()) {
@@ -432,10 +435,14 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
             values[out++].tensor = r.toTensor();
           }
         }
-        for (uint32_t k = step.firstOutput; k < out; ++k)
-          if (values[k].tensor.defined() && values[k].tensor.layout() != at::kStrided)
+        for (uint32_t k = step.firstOutput; k < out; ++k) {
+          const at::Tensor &t = values[k].tensor;
+          if (!t.defined())
+            continue;
+          if (t.layout() != at::kStrided)
             throw std::runtime_error("returned a non-strided tensor; rgpu supports strided "
                                      "tensors only");
+        }
         if (out != step.firstOutput + step.numOutputs)
           throw std::runtime_error("produced " + std::to_string(out - step.firstOutput) +
                                    " outputs, the client expected " +
@@ -459,8 +466,24 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
   outputs.reserve(graph_.outputs.size());
   for (uint32_t v : graph_.outputs) {
     Entry e = values[v];
+    const ir::TensorMeta &m = *metas_[v];
+    if (!e.error && exactLayout && (e.tensor.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
+                                    e.tensor.scalar_type() != toScalarType(m.dtype))) {
+      // Only a value someone holds matters: an unused output of a kernel that disagrees with
+      // its meta kernel (native_batch_norm's saved stats in eval mode) is harmless.
+      uint32_t n = producer_[v];
+      e = {at::Tensor(),
+           std::make_shared<RemoteError>(RemoteError{
+               graph_.nodes[n].op.str().str(),
+               "produced " + ir::dtype::name(int8_t(e.tensor.scalar_type())) + "[" +
+                   c10::Join(",", e.tensor.sizes()) + "] where its meta kernel promised " +
+                   m.str() + "; this op's kernel on this device disagrees with its meta kernel",
+               graph_.locations[graph_.nodes[n].loc], hash, n})};
+      if (!first)
+        first = e.error;
+    }
     if (!e.error && exactLayout)
-      e.tensor = restride(e.tensor, *metas_[v]);
+      e.tensor = restride(e.tensor, m);
     outputs.push_back(std::move(e));
   }
   return first;

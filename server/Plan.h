@@ -87,6 +87,7 @@ private:
 
   ir::Graph graph_;
   std::vector<const ir::TensorMeta *> metas_;
+  std::vector<uint32_t> producer_; ///< The node producing each value (0 for inputs).
   std::vector<Step> steps_;
   std::vector<uint32_t> listItems_; // value ids or scalar slots; ~0u is None
 };

@@ -366,6 +366,14 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
     stack->emplace_back(s);
     return true;
   }
+  // torch.equal answers a Python bool: same sizes, then an all-equal reduction read back.
+  if (name == "aten::equal") {
+    const at::Tensor &a = args[0].toTensor(), &b = args[1].toTensor();
+    bool same = a.sizes() == b.sizes() && (a == b).all().item<bool>();
+    torch::jit::drop(*stack, nargs);
+    stack->emplace_back(same);
+    return true;
+  }
   // Download: .cpu(), .to("cpu"), .tolist(), printing.
   if (name == "aten::_to_copy") {
     auto device = args[3].toOptional<c10::Device>();
@@ -396,6 +404,15 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
   // Download into an existing CPU tensor: cpu_tensor.copy_(rgpu_tensor).
   if (name == "aten::_copy_from" || name == "aten::_copy_from_and_resize") {
     at::Tensor src = args[0].toTensor(), dst = args[1].toTensor();
+    if (LazyTensorImpl *target = lazyImpl(dst)) {
+      // Into an rgpu tensor (a composite kernel's copy_): trace the functional copy and let the
+      // destination take its value.
+      at::Tensor result = at::_ops::copy::call(dst, src, false);
+      target->value = lazyImpl(result)->value;
+      torch::jit::drop(*stack, nargs);
+      stack->emplace_back(dst);
+      return true;
+    }
     TORCH_CHECK(lazyImpl(src) && dst.device().is_cpu(),
                 "rgpu: unsupported copy from ", src.device(), " to ", dst.device());
     at::Tensor cpu = download(src);
@@ -422,6 +439,57 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
   return false;
 }
 
+/// A mutation that reached the backend from inside a composite kernel (functionalization is
+/// switched off there): functionalize it here. Its tensors are wrapped, the op is dispatched
+/// again with functionalization on, and each mutated argument takes the resulting value.
+void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+  namespace fz = at::functionalization::impl;
+  const auto &schema = op.schema();
+  const size_t nargs = schema.arguments().size();
+  const size_t base = stack->size() - nargs;
+  std::vector<at::Tensor> originals(nargs), wrappers(nargs);
+  for (size_t i = 0; i < nargs; ++i) {
+    c10::IValue &v = (*stack)[base + i];
+    if (v.isTensor() && lazyImpl(v.toTensor())) {
+      originals[i] = v.toTensor();
+      wrappers[i] = fz::to_functional_tensor(originals[i]);
+      v = wrappers[i];
+    } else if (v.isTensorList()) {
+      std::vector<at::Tensor> wrapped;
+      for (const at::Tensor &t : v.toTensorList())
+        wrapped.push_back(lazyImpl(t) ? fz::to_functional_tensor(t) : t);
+      v = c10::List<at::Tensor>(wrapped);
+    }
+  }
+  {
+    auto tls = c10::impl::tls_local_dispatch_key_set();
+    c10::impl::ForceDispatchKeyGuard on(tls.included_,
+                                        tls.excluded_.remove(c10::DispatchKey::Functionalize));
+    op.callBoxed(stack);
+  }
+  for (size_t i = 0; i < nargs; ++i) {
+    const c10::AliasInfo *alias = schema.arguments()[i].alias_info();
+    if (!alias || !alias->isWrite() || !wrappers[i].defined())
+      continue;
+    fz::sync(wrappers[i]);
+    LazyTensorImpl *result = lazyImpl(wrappers[i]);
+    LazyTensorImpl *target = lazyImpl(originals[i]);
+    target->value = result->value;
+    target->set_sizes_and_strides(result->sizes(), result->strides());
+  }
+  // Results that are wrapped arguments become the caller's own tensors again.
+  for (size_t r = base; r < stack->size(); ++r) {
+    c10::IValue &v = (*stack)[r];
+    if (!v.isTensor() || !fz::isFunctionalTensor(v.toTensor()))
+      continue;
+    for (size_t i = 0; i < nargs; ++i)
+      if (wrappers[i].defined() && wrappers[i].is_same(v.toTensor()))
+        v = originals[i];
+    if (v.isTensor() && fz::isFunctionalTensor(v.toTensor()))
+      v = fz::from_functional_tensor(v.toTensor());
+  }
+}
+
 void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   Session &session = Session::get();
   std::lock_guard<std::recursive_mutex> lock(session.mu);
@@ -431,8 +499,8 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     return;
   TORCH_CHECK_NOT_IMPLEMENTED(!producesOtherLayouts(name), "rgpu: ", Recorder::fullName(op),
                               " makes a non-strided tensor; rgpu supports strided tensors only");
-  TORCH_CHECK(!schema.is_mutable(), "rgpu: ", Recorder::fullName(op),
-              " mutates its input but reached the rgpu backend without functionalization");
+  if (schema.is_mutable())
+    return functionalizeHere(op, stack);
 
   const size_t nargs = schema.arguments().size();
   Recorder rec(op, name);
@@ -535,6 +603,13 @@ void registerWholeOps() {
       continue;
     auto op = dispatcher.findOp(name);
     if (!op || op->schema().is_mutable() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1))
+      continue;
+    // Ops answering a Python value (allclose, is_same_size) decompose into ops that sync.
+    const auto &returns = op->schema().returns();
+    if (returns.empty() || std::any_of(returns.begin(), returns.end(), [](const c10::Argument &r) {
+          return !r.type()->isSubtypeOf(*c10::TensorType::get()) &&
+                 !r.type()->isSubtypeOf(*c10::ListType::ofTensors());
+        }))
       continue;
     if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
         !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))

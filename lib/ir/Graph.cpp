@@ -73,11 +73,12 @@ std::string name(int8_t d) {
 unsigned itemSize(int8_t d) {
   switch (d) {
   case Byte: case Char: case Bool: return 1;
-  case Short: case Half: case BFloat16: return 2;
-  case Int: case Float: case ComplexHalf: return 4;
-  case Long: case Double: case ComplexFloat: return 8;
+  case 23: case 24: case 25: case 26: case 44: return 1; // float8 variants
+  case Short: case Half: case BFloat16: case 27: return 2; // 27: uint16
+  case Int: case Float: case ComplexHalf: case 28: return 4; // 28: uint32
+  case Long: case Double: case ComplexFloat: case 29: return 8; // 29: uint64
   case ComplexDouble: return 16;
-  default: return 0;
+  default: return 0; // quantized, bit-packed and sub-byte types are not carried
   }
 }
 bool isValid(int8_t d) { return itemSize(d) != 0; }

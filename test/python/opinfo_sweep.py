@@ -22,7 +22,11 @@ NOT_COMPARABLE = ("rand", "dropout", "bernoulli", "normal", "multinomial", "pois
 
 
 def to_rgpu(x):
-    return x.to("rgpu") if isinstance(x, torch.Tensor) else x
+    if isinstance(x, torch.Tensor):
+        return x.to("rgpu")
+    if (isinstance(x, str) and x == "cpu") or (isinstance(x, torch.device) and x.type == "cpu"):
+        return "rgpu"  # factories: device="cpu" in the sample becomes rgpu
+    return x
 
 
 def compare(actual, expected):
@@ -58,7 +62,7 @@ def sweep(limit_samples=4, only=None):
             except Exception:
                 continue
             try:
-                actual = op(to_rgpu(s.input), *tree_map(to_rgpu, s.args), **tree_map(to_rgpu, s.kwargs))
+                actual = op(tree_map(to_rgpu, s.input), *tree_map(to_rgpu, s.args), **tree_map(to_rgpu, s.kwargs))
                 compare(actual, expected)
             except Exception as e:  # noqa: BLE001 - every failure is recorded, never raised
                 failure = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__

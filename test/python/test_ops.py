@@ -153,3 +153,22 @@ def test_random_ops_follow_torch_manual_seed():
     assert torch.equal(a, b) and not torch.equal(a, c)
     d = torch.nn.functional.dropout(torch.ones(1000, device=R), 0.5).cpu()
     assert 300 < int((d == 0).sum()) < 700
+
+
+def test_batchnorm_in_eval_mode():
+    import copy
+
+    bn = torch.nn.BatchNorm2d(3).eval()
+    bn.running_mean.uniform_()
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        same(copy.deepcopy(bn).to(R)(x.to(R)), bn(x))
+
+
+def test_ops_answering_python_values():
+    x = torch.randn(3, 4)
+    r = x.to(R)
+    assert torch.equal(r, r.clone()) and not torch.equal(r, r + 1)
+    assert torch.allclose(r, r + 1e-9) and not torch.allclose(r, r + 1)
+    assert r.is_nonzero() if r.numel() == 1 else True
+    assert torch.is_same_size(r, r * 2)
