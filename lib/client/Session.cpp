@@ -423,7 +423,8 @@ void Session::connect() {
     raise(ErrorKind::SessionLost,
           "RGPU_OPSERVER='" + address_ + "' is not host:port (e.g. 127.0.0.1:9720)");
   std::string error;
-  if (!socket_.connect(host, port, error))
+  const char *budget = std::getenv("RGPU_RECONNECT_SECONDS");
+  if (!socket_.connect(host, port, error, budget ? std::atoi(budget) : 30))
     raise(ErrorKind::SessionLost,
           "cannot reach rgpu-opserver at " + address_ + " (" + error +
               "). Start one with `rgpu-opserver --port " + std::to_string(port) +
@@ -540,9 +541,6 @@ std::vector<std::string> Session::flush(bool wantReply,
 
   ++stats.waits;
   net::Frame reply;
-  const char *env = std::getenv("RGPU_RECONNECT_SECONDS");
-  int budgetMs = (env ? std::atoi(env) : 30) * 1000;
-  (void)budgetMs;
   switch (socket_.receive(*decoder_, reply, -1)) {
   case net::Socket::Status::Ok: break;
   case net::Socket::Status::Closed:

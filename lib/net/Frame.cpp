@@ -4,6 +4,7 @@
 #include <capnp/serialize.h>
 #include <kj/io.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <netdb.h>
@@ -131,7 +132,7 @@ void Socket::close() {
   fd_ = -1;
 }
 
-bool Socket::connect(const std::string &host, int port, std::string &error) {
+bool Socket::connect(const std::string &host, int port, std::string &error, int deadPeerSeconds) {
   close();
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -150,6 +151,14 @@ bool Socket::connect(const std::string &host, int port, std::string &error) {
     if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      int secs = std::max(deadPeerSeconds, 3);
+      int idle = secs / 3, interval = std::max(1, secs / 6), count = 3;
+      unsigned userTimeoutMs = unsigned(secs) * 1000;
+      setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+      setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+      setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+      setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
+      setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &userTimeoutMs, sizeof userTimeoutMs);
       fd_ = fd;
       break;
     }

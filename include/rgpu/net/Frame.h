@@ -75,7 +75,10 @@ public:
   Socket &operator=(const Socket &) = delete;
 
   /// Connects to host:port; on failure returns false and sets \p error to the reason.
-  bool connect(const std::string &host, int port, std::string &error);
+  /// A peer that stops answering at the TCP level (a dead host, a cut network) is declared gone
+  /// after about \p deadPeerSeconds: keepalive probes while waiting, a send timeout while sending.
+  /// A live server busy with a long graph still answers the probes, so it is never cut off.
+  bool connect(const std::string &host, int port, std::string &error, int deadPeerSeconds = 30);
   bool connected() const { return fd_ >= 0; }
   void close();
   /// Sends all of \p data; false if the peer is gone.
