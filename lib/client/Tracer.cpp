@@ -116,7 +116,7 @@ public:
     if (dataDependent || isDataDependent(name_))
       return false;
     try {
-      op_.callBoxed(meta_);
+      metaCall();
     } catch (const c10::NotImplementedError &) {
       return false; // no meta kernel: the server will tell us the shapes
     } catch (const c10::Error &e) {
@@ -155,6 +155,41 @@ public:
   llvm::IntrusiveRefCntPtr<TraceNode> node() { return node_; }
 
 private:
+  /// Runs the op on the meta twins. A functionalized view (`transpose_copy`) gets the strides of
+  /// the view itself, as CPU eager would give it; the server runs it as that view, so tensors
+  /// keep CPU's layouts (a transposed result downloads transposed, is_contiguous() agrees).
+  void metaCall() {
+    llvm::StringRef name(op_.operator_name().name);
+    if (name.endswith("_copy") && name != "aten::as_strided_copy") {
+      c10::OperatorName view{name.drop_back(5).str(), op_.operator_name().overload_name};
+      auto handle = c10::Dispatcher::singleton().findSchema(view);
+      if (handle && handle->schema().arguments().size() == op_.schema().arguments().size()) {
+        torch::jit::Stack twin = meta_;
+        try {
+          handle->callBoxed(twin);
+          for (c10::IValue &r : twin) {
+            // A view's result aliases its input; the value rgpu holds is a fresh tensor with
+            // the same sizes and strides.
+            if (r.isTensor())
+              r = at::empty_strided(r.toTensor().sizes(), r.toTensor().strides(),
+                                    r.toTensor().options());
+            else if (r.isTensorList()) {
+              std::vector<at::Tensor> fresh;
+              for (const at::Tensor &t : r.toTensorList())
+                fresh.push_back(at::empty_strided(t.sizes(), t.strides(), t.options()));
+              r = fresh;
+            }
+          }
+          meta_ = std::move(twin);
+          return;
+        } catch (const c10::Error &) {
+          // e.g. view() on strides it cannot view: the copy's own layout is right then.
+        }
+      }
+    }
+    op_.callBoxed(meta_);
+  }
+
   void addArg(const c10::IValue &v, const c10::Argument &sa) {
     c10::TypePtr type = sa.type();
     if (auto opt = type->cast<c10::OptionalType>()) {

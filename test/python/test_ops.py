@@ -172,3 +172,14 @@ def test_ops_answering_python_values():
     assert torch.allclose(r, r + 1e-9) and not torch.allclose(r, r + 1)
     assert r.is_nonzero() if r.numel() == 1 else True
     assert torch.is_same_size(r, r * 2)
+
+
+def test_layouts_follow_cpu_eager():
+    x = torch.randn(4, 6)
+    r = x.to(R)
+    for fn in [lambda t: t.t(), lambda t: t.t() * 2, lambda t: t[:, 1:3], lambda t: t.unsqueeze(1),
+               lambda t: t.t().contiguous(), lambda t: t.view(2, 12).t() + 0]:
+        assert fn(r).stride() == fn(x).stride()
+        assert fn(r).is_contiguous() == fn(x).is_contiguous()
+    assert r.t().cpu().stride() == x.t().stride()
+    assert (r.t() * 2).cpu().stride() == (x.t() * 2).stride()

@@ -135,3 +135,26 @@ def test_gpt_without_item_never_waits():
     _, _, per_step = train_gpt(R, steps=13, item_every_step=False)
     assert sum(s["waits"] for s in per_step[3:]) == 0, per_step
     assert all(s["graphs_shipped"] == 0 for s in per_step[3:]), per_step
+
+
+def test_a_loop_that_never_syncs_is_cut_at_the_node_cap():
+    torch.rgpu.synchronize()  # connected, nothing pending
+    before = rgpu.stats()
+    x = torch.zeros(4, device=R)
+    for _ in range(25000):
+        x = x + 1
+    mid = rgpu.stats()
+    assert mid["graph_runs"] > before["graph_runs"]
+    assert mid["waits"] == before["waits"]
+    same(x, torch.full((4,), 25000.0))
+
+
+def test_freed_tensors_are_released_without_extra_messages():
+    xs = [torch.randn(8, device=R) * i for i in range(100)]
+    torch.rgpu.synchronize()
+    before = rgpu.stats()
+    del xs
+    torch.rgpu.synchronize()
+    after = rgpu.stats()
+    assert after["messages"] - before["messages"] == 1
+    assert after["live_tensors"] < before["live_tensors"] - 90
