@@ -11,12 +11,7 @@ using namespace rgpu;
 namespace {
 constexpr int kNodes = 1000;
 
-ir::TensorMeta vec4() {
-  ir::TensorMeta m;
-  m.sizes = {4};
-  m.strides = {1};
-  return m;
-}
+ir::TensorMeta vec4() { return ir::TensorMeta::contiguous(ir::dtype::Float, {4}); }
 
 /// x -> relu(x) -> neg -> add(x) -> ... alternating, kNodes nodes.
 ir::Graph chain() {

@@ -241,7 +241,6 @@ Session::CutOutputs Session::cut() {
   }
   queue(std::move(run));
   ++stats.graphRuns;
-  ++stats.cuts;
 
   // The live tensors now hold device data; their traced nodes are released with them.
   for (size_t k = 0; k < outs.size(); ++k) {

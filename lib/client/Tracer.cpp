@@ -50,13 +50,7 @@ ir::TensorMeta denseLayout(const ir::TensorMeta &m) {
   at::Tensor probe = at::empty_strided(m.sizes, m.strides, at::TensorOptions().device(at::kMeta));
   if (probe.is_non_overlapping_and_dense())
     return m;
-  ir::TensorMeta c = m;
-  int64_t s = 1;
-  for (size_t i = c.sizes.size(); i-- > 0;) {
-    c.strides[i] = s;
-    s *= std::max<int64_t>(c.sizes[i], 1);
-  }
-  return c;
+  return ir::TensorMeta::contiguous(m.dtype, m.sizes);
 }
 
 /// Ops whose output shapes depend on tensor data. They cannot be traced ahead: the graph is cut

@@ -6,6 +6,7 @@
 #include <llvm/Support/xxhash.h>
 #include <llvm/Support/raw_ostream.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 
@@ -83,6 +84,19 @@ unsigned itemSize(int8_t d) {
 }
 bool isValid(int8_t d) { return itemSize(d) != 0; }
 } // namespace dtype
+
+TensorMeta TensorMeta::contiguous(int8_t dtype, ArrayRef<int64_t> sizes) {
+  TensorMeta m;
+  m.dtype = dtype;
+  m.sizes.assign(sizes.begin(), sizes.end());
+  m.strides.resize(sizes.size());
+  int64_t stride = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    m.strides[i] = stride;
+    stride *= std::max<int64_t>(sizes[i], 1);
+  }
+  return m;
+}
 
 int64_t TensorMeta::numel() const {
   int64_t n = 1;

@@ -28,7 +28,7 @@ namespace rgpu::client {
 /// Counters reported by rgpu.stats().
 struct Stats {
   std::atomic<uint64_t> messages{0}, waits{0}, bytesOut{0}, bytesIn{0}, graphsShipped{0},
-      graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0}, cuts{0};
+      graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0};
 };
 
 /// How errors reach the user; the Python glue replaces the default (std::runtime_error) so that

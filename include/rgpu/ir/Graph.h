@@ -65,6 +65,8 @@ struct TensorMeta {
   llvm::SmallVector<int64_t, 4> sizes;
   llvm::SmallVector<int64_t, 4> strides;
 
+  /// A contiguous (row-major) tensor of \p sizes.
+  static TensorMeta contiguous(int8_t dtype, llvm::ArrayRef<int64_t> sizes);
   int64_t numel() const;
   /// Bytes the strided layout spans (0 for an empty tensor).
   int64_t storageBytes() const;

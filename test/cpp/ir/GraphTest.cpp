@@ -7,16 +7,7 @@ using namespace rgpu::ir;
 
 namespace {
 TensorMeta meta(llvm::ArrayRef<int64_t> sizes, int8_t dt = dtype::Float) {
-  TensorMeta m;
-  m.dtype = dt;
-  m.sizes.assign(sizes.begin(), sizes.end());
-  int64_t s = 1;
-  m.strides.resize(sizes.size());
-  for (size_t i = sizes.size(); i-- > 0;) {
-    m.strides[i] = s;
-    s *= sizes[i];
-  }
-  return m;
+  return TensorMeta::contiguous(dt, sizes);
 }
 
 Node binary(const char *op, uint32_t a, uint32_t b, const TensorMeta &out) {

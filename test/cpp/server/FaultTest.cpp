@@ -70,12 +70,7 @@ ServerProcess &server() {
   return s;
 }
 
-ir::TensorMeta vec3() {
-  ir::TensorMeta m;
-  m.sizes = {3};
-  m.strides = {1};
-  return m;
-}
+ir::TensorMeta vec3() { return ir::TensorMeta::contiguous(ir::dtype::Float, {3}); }
 
 /// x * x on one f32[3] input.
 ir::Graph square() {

@@ -9,16 +9,7 @@ using rgpu::ir::Arg;
 
 namespace {
 ir::TensorMeta meta(std::vector<int64_t> sizes, int8_t dtype = ir::dtype::Float) {
-  ir::TensorMeta m;
-  m.dtype = dtype;
-  m.sizes.assign(sizes.begin(), sizes.end());
-  int64_t s = 1;
-  m.strides.resize(sizes.size());
-  for (size_t i = sizes.size(); i-- > 0;) {
-    m.strides[i] = s;
-    s *= sizes[i];
-  }
-  return m;
+  return ir::TensorMeta::contiguous(dtype, sizes);
 }
 
 ir::Node node(const char *op, std::vector<uint32_t> operands, std::vector<Arg> args,
