@@ -1,10 +1,13 @@
 #include "rgpu/client/Session.h"
 
+#include "rgpu/wire/Cache.h"
+
 #include <ATen/ATen.h>
 #include <torch/headeronly/version.h>
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstring>
 #include <random>
 
@@ -62,6 +65,12 @@ Session &Session::get() {
 Session::Session() {
   const char *env = std::getenv("RGPU_OPSERVER");
   address_ = env && *env ? env : "127.0.0.1:9720";
+  cacheDir_ = wire::defaultCacheDir();
+}
+
+void Session::log(int level, const std::string &message) {
+  if (logSink_ && (level > 10 || logDebug_))
+    logSink_(level, message);
 }
 
 void Session::track(LazyTensorImpl *impl) {
@@ -127,7 +136,7 @@ void Session::queue(Command c) {
 // Cutting the trace into a graph
 //===----------------------------------------------------------------------===//
 
-Session::CutOutputs Session::cut() {
+Session::CutOutputs Session::cut(const char *reason) {
   // Live tensors with pending work, grouped by the value they hold.
   struct Out {
     TraceNode *node;
@@ -230,15 +239,18 @@ Session::CutOutputs Session::cut() {
     for (const ir::Node &node : c.graph.nodes)
       locs.push_back(back.lookup(node.loc));
   }
+  log(10, std::string("cut (") + reason + ") at " + locationText(site_) + ": " +
+             std::to_string(c.graph.nodes.size()) + " nodes, graph " + c.hash.hex().substr(0, 12));
   if (!defined_.count(c.hash)) {
     Command def;
     def.kind = wire::Command::DEFINE;
     def.hash = c.hash;
     def.graph = std::make_shared<const ir::Graph>(std::move(c.graph));
+    noteNewGraph(c.hash, def.graph);
     queue(std::move(def));
-    defined_.insert(c.hash);
-    ++stats.graphsShipped;
   }
+  ++graphs_[c.hash].runs;
+  runsInFrame_.push_back(c.hash);
   queue(std::move(run));
   ++stats.graphRuns;
 
@@ -253,11 +265,69 @@ Session::CutOutputs Session::cut() {
   return placed;
 }
 
-void Session::markStep(bool wait) {
+void Session::noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph) {
+  defined_.insert(hash);
+  ++stats.graphsShipped;
+  GraphInfo &info = graphs_[hash];
+  info.nodes = graph->nodes.size();
+  info.cutAt = locationText(site_);
+  info.firstSeen = uint64_t(std::time(nullptr));
+  log(10, "define graph " + hash.hex().substr(0, 12) + " (" + std::to_string(info.nodes) +
+              " nodes), first cut at " + info.cutAt);
+  if (!cacheDir_.empty()) {
+    wire::GraphRecord record;
+    if (wire::readCachedGraph(wire::cacheFilePath(cacheDir_, hash), record).empty()) {
+      info.firstSeen = record.firstSeen;
+      info.runsBefore = record.runs;
+    } else {
+      record = wire::GraphRecord{hash, *graph, info.firstSeen, 0, info.cutAt};
+      if (std::string e = wire::writeCachedGraph(cacheDir_, record); !e.empty())
+        log(30, "rgpu: graph cache disabled: " + e);
+    }
+  }
+
+  // A site that keeps cutting new graphs which differ only in shapes recompiles every step.
+  SiteInfo &site = sites_[site_];
+  ++site.newGraphs;
+  if (site.last) {
+    bool shapesOnly = false;
+    site.lastDiff = ir::diffGraphs(*site.last, *graph, &shapesOnly);
+    if (shapesOnly)
+      ++site.shapeOnlyGraphs;
+  }
+  site.last = std::move(graph);
+  if (!site.warned && site.shapeOnlyGraphs >= recompileWarnAfter_) {
+    site.warned = true;
+    std::string why;
+    for (size_t i = 0; i < site.lastDiff.size() && i < 3; ++i)
+      why += (i ? "; " : "") + site.lastDiff[i];
+    log(30, "rgpu: " + locationText(site_) + " has cut " + std::to_string(site.newGraphs) +
+                " different graphs that differ only in tensor shapes (latest: " + why +
+                "). Each new shape is a new graph to ship and compile; keep shapes fixed "
+                "(pad or bucket them) to reuse one. `rgpu-trace-dump diff` shows the details.");
+  }
+}
+
+void Session::flushGraphCache() {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  if (cacheDir_.empty())
+    return;
+  for (auto &[hash, info] : graphs_) {
+    wire::GraphRecord record;
+    if (!wire::readCachedGraph(wire::cacheFilePath(cacheDir_, hash), record).empty())
+      continue;
+    record.runs = info.runsBefore + info.runs;
+    wire::writeCachedGraph(cacheDir_, record);
+  }
+}
+
+void Session::markStep(bool wait, const char *reason) {
+  uint32_t site = currentLocation();
   std::lock_guard<std::recursive_mutex> lock(mu);
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
-  cut();
+  site_ = site;
+  cut(reason);
   if (wait) {
     Command sync;
     sync.kind = wire::Command::SYNC;
@@ -268,11 +338,11 @@ void Session::markStep(bool wait) {
   }
 }
 
-void Session::synchronize() { markStep(true); }
+void Session::synchronize() { markStep(true, "synchronize"); }
 
 void Session::maybeCutAtCap() {
   if (nodesSinceCut_ >= kNodeCap)
-    markStep(false);
+    markStep(false, "node cap");
 }
 
 //===----------------------------------------------------------------------===//
@@ -312,11 +382,13 @@ Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta) {
 }
 
 at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
+  uint32_t site = currentLocation();
   std::lock_guard<std::recursive_mutex> lock(mu);
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
+  site_ = site;
   if (impl->value.pending())
-    cut();
+    cut("read of a value");
   Command c;
   c.kind = wire::Command::DOWNLOAD;
   c.handle = impl->value.data->handle;
@@ -340,7 +412,9 @@ Session::runNow(llvm::IntrusiveRefCntPtr<TraceNode> node) {
   std::lock_guard<std::recursive_mutex> lock(mu);
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
-  CutOutputs placed = cut(); // every input is held by a live tensor, so it is now device data
+  site_ = node->location;
+  // Every input is held by a live tensor, so after the cut it is device data.
+  CutOutputs placed = cut("data-dependent op");
   for (Value &v : node->inputs) {
     if (!v.pending())
       continue;
@@ -373,10 +447,11 @@ Session::runNow(llvm::IntrusiveRefCntPtr<TraceNode> node) {
     def.kind = wire::Command::DEFINE;
     def.hash = c.hash;
     def.graph = std::make_shared<const ir::Graph>(c.graph);
+    noteNewGraph(c.hash, def.graph);
     queue(std::move(def));
-    defined_.insert(c.hash);
-    ++stats.graphsShipped;
   }
+  ++graphs_[c.hash].runs;
+  runsInFrame_.push_back(c.hash);
   Command run;
   run.kind = wire::Command::RUN;
   run.hash = c.hash;
@@ -530,6 +605,8 @@ std::vector<std::string> Session::flush(bool wantReply,
   std::vector<Command> sent;
   sent.swap(queue_);
   releases_.clear();
+  std::vector<ir::Hash128> ranInFrame;
+  ranInFrame.swap(runsInFrame_);
   std::string bytes = net::encodeFrame(b, dataBytes < kPackBelow);
   ++stats.messages;
   stats.bytesOut += bytes.size();
@@ -540,7 +617,19 @@ std::vector<std::string> Session::flush(bool wantReply,
 
   ++stats.waits;
   net::Frame reply;
-  switch (socket_.receive(*decoder_, reply, -1)) {
+  auto start = std::chrono::steady_clock::now();
+  net::Socket::Status status = socket_.receive(*decoder_, reply, -1);
+  uint64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - start).count();
+  SiteInfo &site = sites_[site_];
+  ++site.syncs;
+  site.waitNs += waited;
+  for (const ir::Hash128 &h : ranInFrame) {
+    graphs_[h].waitNs += waited;
+    ++graphs_[h].waitedRuns;
+  }
+  log(10, "wait at " + locationText(site_) + ": " + std::to_string(waited / 1000) + " us");
+  switch (status) {
   case net::Socket::Status::Ok: break;
   case net::Socket::Status::Closed:
     lose("rgpu-opserver at " + address_ + " closed the connection");

@@ -521,6 +521,8 @@ void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack) 
 
 void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   Session &session = Session::get();
+  // The user's line is found before taking the session lock: finding it takes the GIL.
+  uint32_t location = session.currentLocation();
   std::lock_guard<std::recursive_mutex> lock(session.mu);
   const auto &schema = op.schema();
   llvm::StringRef name = op.operator_name().name;
@@ -537,7 +539,7 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   std::vector<ir::TensorMeta> metas;
   bool traced = rec.inferMetas(metas);
   llvm::IntrusiveRefCntPtr<TraceNode> node = rec.node();
-  node->location = session.currentLocation();
+  node->location = location;
   node->seq = session.nextSeq();
 
   std::vector<at::Tensor> outs;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <mutex>
 
 using namespace llvm;
@@ -423,6 +424,87 @@ std::string verifyStructure(const Graph &g) {
     if (!dtype::isValid(s.dtype) || uint8_t(s.form) > uint8_t(ScalarForm::Tensor0d))
       return "invalid scalar slot";
   return "";
+}
+
+//===----------------------------------------------------------------------===//
+// Diff
+//===----------------------------------------------------------------------===//
+
+std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapesOnly) {
+  std::vector<std::string> lines;
+  bool structural = false;
+  auto count = [](const char *what, size_t x, size_t y) {
+    return std::string(what) + ": " + std::to_string(x) + " vs " + std::to_string(y);
+  };
+  for (size_t i = 0; i < std::min(a.inputs.size(), b.inputs.size()); ++i)
+    if (a.inputs[i] != b.inputs[i])
+      lines.push_back("input " + std::to_string(i) + ": " + a.inputs[i].str() + " vs " +
+                      b.inputs[i].str());
+  if (a.inputs.size() != b.inputs.size()) {
+    lines.push_back(count("inputs", a.inputs.size(), b.inputs.size()));
+    structural = true;
+  }
+  if (a.scalars.size() != b.scalars.size() ||
+      !std::equal(a.scalars.begin(), a.scalars.end(), b.scalars.begin())) {
+    lines.push_back(count("scalar inputs", a.scalars.size(), b.scalars.size()) +
+                    " (or their types differ)");
+    structural = true;
+  }
+  size_t common = std::min(a.nodes.size(), b.nodes.size());
+  size_t firstOpDiff = common;
+  for (size_t n = 0; n < common; ++n)
+    if (a.nodes[n].op != b.nodes[n].op) {
+      firstOpDiff = n;
+      break;
+    }
+  if (firstOpDiff == common && a.nodes.size() == b.nodes.size()) {
+    // Same ops in the same order: report differing constants and the first few output metas.
+    size_t metaLines = 0, moreMetas = 0;
+    for (size_t n = 0; n < common; ++n) {
+      const Node &x = a.nodes[n], &y = b.nodes[n];
+      std::string where = "node " + std::to_string(n) + " (" + x.op.str().str() + ")";
+      if (x.args != y.args || x.strings != y.strings || x.operands != y.operands) {
+        lines.push_back(where + ": arguments differ");
+        structural = true;
+      }
+      if (x.outputs != y.outputs) {
+        if (metaLines++ < 3) {
+          std::string l = where + ": ";
+          for (size_t o = 0; o < std::max(x.outputs.size(), y.outputs.size()); ++o)
+            l += (o ? ", " : "") + (o < x.outputs.size() ? x.outputs[o].str() : "-") + " vs " +
+                 (o < y.outputs.size() ? y.outputs[o].str() : "-");
+          lines.push_back(l);
+        } else {
+          ++moreMetas;
+        }
+      }
+    }
+    if (moreMetas)
+      lines.push_back("... and " + std::to_string(moreMetas) + " more nodes with other shapes");
+  } else {
+    structural = true;
+    if (firstOpDiff < common)
+      lines.push_back("first difference at node " + std::to_string(firstOpDiff) + ": " +
+                      a.nodes[firstOpDiff].op.str().str() + " vs " +
+                      b.nodes[firstOpDiff].op.str().str());
+    else
+      lines.push_back(count("nodes", a.nodes.size(), b.nodes.size()));
+    std::map<std::string, int> balance;
+    for (const Node &n : a.nodes)
+      --balance[n.op.str().str()];
+    for (const Node &n : b.nodes)
+      ++balance[n.op.str().str()];
+    for (auto &[op, k] : balance)
+      if (k)
+        lines.push_back((k > 0 ? "+ " : "- ") + op + (std::abs(k) > 1 ? " x" + std::to_string(std::abs(k)) : ""));
+  }
+  if (a.outputs.size() != b.outputs.size()) {
+    lines.push_back(count("outputs", a.outputs.size(), b.outputs.size()));
+    structural = true;
+  }
+  if (shapesOnly)
+    *shapesOnly = !structural && !lines.empty();
+  return lines;
 }
 
 //===----------------------------------------------------------------------===//

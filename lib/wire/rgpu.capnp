@@ -160,3 +160,13 @@ struct ServerFrame {
   results @1 :List(Result);    # one per Hello, Download, Sync and replyMetas Run, in order
   error @2 :Error;             # the first error since the last reply; absent if none
 }
+
+# A graph as kept in a graph cache directory (RGPU_CACHE_DIR on the client), one file per hash,
+# readable by rgpu-trace-dump.
+struct CachedGraph {
+  hash @0 :Hash;
+  graph @1 :Graph;
+  firstSeen @2 :UInt64;  # unix seconds
+  runs @3 :UInt64;
+  cutAt @4 :Text;        # the user's line whose sync cut this graph
+}

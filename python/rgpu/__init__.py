@@ -9,6 +9,8 @@ The server address comes from ``RGPU_OPSERVER`` (default ``127.0.0.1:9720``) or
 ``rgpu.set_server("host:port")``.
 """
 
+import atexit
+import logging
 import os
 
 import torch
@@ -17,10 +19,13 @@ __all__ = [
     "RemoteError",
     "SessionLost",
     "mark_step",
+    "metrics_report",
     "set_server",
     "stats",
     "synchronize",
 ]
+
+logger = logging.getLogger("rgpu")
 
 
 class RemoteError(RuntimeError):
@@ -48,6 +53,23 @@ torch.utils.generate_methods_for_privateuse1_backend(
 )
 
 
+def _configure_logging():
+    # RGPU_LOG=debug shows every cut, graph definition and wait; warnings (recompiles) always go
+    # to the "rgpu" logger. A standard logging configuration of that logger works as well.
+    level = os.environ.get("RGPU_LOG", "").upper()
+    if level:
+        logger.setLevel(getattr(logging, level, logging.INFO))
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+            logger.addHandler(handler)
+    _C.set_log(logger, logger.isEnabledFor(logging.DEBUG), int(os.environ.get("RGPU_RECOMPILE_WARN", 5)))
+
+
+_configure_logging()
+atexit.register(_C.flush_graph_cache)
+
+
 def set_server(address: str) -> None:
     """Points the client at ``host:port``; takes effect at the first connection."""
     _C.set_server(address)
@@ -68,6 +90,31 @@ def mark_step(wait: bool = False) -> None:
     _C.mark_step(wait)
 
 
+def metrics_report() -> str:
+    """A readable report: counters, graphs and their runs, sync sites and recompiles."""
+    s = stats()
+    m = _C.metrics()
+    lines = ["rgpu metrics", "", "counters:"]
+    lines += [f"  {k:16} {v}" for k, v in s.items()]
+    lines += ["", f"graphs ({len(m['graphs'])}):", "  hash          nodes    runs  mean wait ms  cut at"]
+    for g in sorted(m["graphs"], key=lambda g: -g["runs"]):
+        mean = g["wait_ms"] / g["waited_runs"] if g["waited_runs"] else 0.0
+        lines.append(f"  {g['hash'][:12]}  {g['nodes']:5}  {g['runs']:6}  {mean:12.2f}  {g['cut_at'] or '?'}")
+    lines += ["", "sync sites (by total wait):", "  syncs  wait ms  site"]
+    for site in sorted(m["sites"], key=lambda x: -x["wait_ms"]):
+        if site["syncs"]:
+            lines.append(f"  {site['syncs']:5}  {site['wait_ms']:7.1f}  {site['site'] or '?'}")
+    recompiles = [x for x in m["sites"] if x["new_graphs"] > 1]
+    lines += ["", "recompiles (sites that cut more than one graph):"]
+    if not recompiles:
+        lines.append("  none")
+    for site in recompiles:
+        cause = "; ".join(site["last_diff"][:3]) or "different ops"
+        lines.append(f"  {site['site'] or '?'}: {site['new_graphs']} graphs "
+                     f"({site['shape_only_graphs']} differ only in shapes); latest: {cause}")
+    return "\n".join(lines)
+
+
 def synchronize() -> None:
     """Runs everything traced so far and waits for the server to finish it."""
     _C.synchronize()
@@ -76,7 +123,7 @@ def synchronize() -> None:
 def _optimizer_step_boundary(optimizer, args, kwargs):
     # The end of an optimizer step is a natural graph boundary: cutting here (without waiting)
     # keeps a loop that never syncs bounded, and gives graphs that repeat step after step.
-    _C.mark_step(False)
+    _C.mark_step(False, "optimizer step")
 
 
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402

@@ -88,7 +88,9 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("server", []() { return Session::get().server(); });
   m.def(
-      "mark_step", [](bool wait) { Session::get().markStep(wait); }, py::arg("wait") = false,
+      "mark_step",
+      [](bool wait, std::string reason) { Session::get().markStep(wait, reason.c_str()); },
+      py::arg("wait") = false, py::arg("reason") = "mark_step",
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "synchronize", []() { Session::get().synchronize(); },
@@ -108,6 +110,50 @@ PYBIND11_MODULE(_C, m) {
     d["downloads"] = s.downloads.load();
     d["live_tensors"] = Session::get().liveTensors();
     return d;
+  });
+  m.def("set_log", [](py::object logger, bool debug, uint64_t recompileWarnAfter) {
+    static py::object *sinkLogger = new py::object();
+    *sinkLogger = logger;
+    Session &session = Session::get();
+    std::lock_guard<std::recursive_mutex> lock(session.mu);
+    session.setLogSink(
+        [](int level, const std::string &message) {
+          py::gil_scoped_acquire gil;
+          sinkLogger->attr("log")(level, message);
+        },
+        debug);
+    session.setRecompileWarningThreshold(recompileWarnAfter);
+  });
+  m.def("flush_graph_cache", []() { Session::get().flushGraphCache(); },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("metrics", []() {
+    Session &session = Session::get();
+    std::lock_guard<std::recursive_mutex> lock(session.mu);
+    py::list graphs, sites;
+    for (const auto &[hash, g] : session.graphs()) {
+      py::dict d;
+      d["hash"] = hash.hex();
+      d["nodes"] = g.nodes;
+      d["runs"] = g.runs;
+      d["waited_runs"] = g.waitedRuns;
+      d["wait_ms"] = g.waitNs / 1e6;
+      d["cut_at"] = g.cutAt;
+      graphs.append(d);
+    }
+    for (const auto &[loc, site] : session.sites()) {
+      py::dict d;
+      d["site"] = session.locationText(loc);
+      d["syncs"] = site.syncs;
+      d["wait_ms"] = site.waitNs / 1e6;
+      d["new_graphs"] = site.newGraphs;
+      d["shape_only_graphs"] = site.shapeOnlyGraphs;
+      d["last_diff"] = site.lastDiff;
+      sites.append(d);
+    }
+    py::dict out;
+    out["graphs"] = graphs;
+    out["sites"] = sites;
+    return out;
   });
   m.def("is_pending", [](const at::Tensor &t) {
     LazyTensorImpl *impl = lazyImpl(t);

@@ -67,8 +67,8 @@ public:
   const std::string &locationText(uint32_t id);
 
   /// Cuts every live pending tensor into one graph and queues its run. With \p wait, blocks
-  /// until the server has executed it (and raises any pending error).
-  void markStep(bool wait);
+  /// until the server has executed it (and raises any pending error). \p reason is logged.
+  void markStep(bool wait, const char *reason = "mark_step");
   /// Cuts if the trace has grown past the node cap (no wait).
   void maybeCutAtCap();
 
@@ -89,6 +89,37 @@ public:
   /// After a lost connection every call raises SessionLost; this is why.
   bool lost() const { return !lostReason_.empty(); }
 
+  /// Where shipped graphs are kept for rgpu-trace-dump; empty keeps none.
+  void setCacheDir(std::string dir) { cacheDir_ = std::move(dir); }
+  /// Writes this process's run counts into the graph cache files (at exit).
+  void flushGraphCache();
+
+  /// What rgpu.metrics_report() shows about one graph.
+  struct GraphInfo {
+    uint32_t nodes = 0;
+    uint64_t runs = 0, waitedRuns = 0, waitNs = 0;
+    uint64_t firstSeen = 0, runsBefore = 0; ///< From an earlier process's cache file.
+    std::string cutAt;
+  };
+  /// What rgpu.metrics_report() shows about one sync site (a user's source line).
+  struct SiteInfo {
+    uint64_t syncs = 0, waitNs = 0, newGraphs = 0, shapeOnlyGraphs = 0;
+    std::shared_ptr<const ir::Graph> last; ///< The latest new graph this site cut.
+    std::vector<std::string> lastDiff;     ///< How it differed from the one before.
+    bool warned = false;
+  };
+  const std::map<ir::Hash128, GraphInfo> &graphs() const { return graphs_; }
+  const std::map<uint32_t, SiteInfo> &sites() const { return sites_; }
+
+  /// Log events go to \p sink (Python's logger "rgpu"); debug events only if \p debug.
+  using LogSink = void (*)(int level, const std::string &message);
+  void setLogSink(LogSink sink, bool debug) {
+    logSink_ = sink;
+    logDebug_ = debug;
+  }
+  /// Warn when one sync site has cut more than this many graphs differing only in shapes.
+  void setRecompileWarningThreshold(uint64_t n) { recompileWarnAfter_ = n; }
+
 private:
   Session();
 
@@ -96,7 +127,10 @@ private:
   using CutOutputs = llvm::DenseMap<std::pair<TraceNode *, uint32_t>, llvm::IntrusiveRefCntPtr<DeviceData>>;
   /// Cuts every live pending tensor into one graph and queues its run; returns where each
   /// pending value went.
-  CutOutputs cut();
+  CutOutputs cut(const char *reason);
+  /// Records a graph that the server has not seen: cache file, recompile analysis, log.
+  void noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph);
+  void log(int level, const std::string &message);
   void queue(Command c);
   /// Sends the queued commands as one frame. With \p wantReply, waits for the server's answer and
   /// returns its results (in command order of the value-producing commands).
@@ -124,6 +158,14 @@ private:
   /// user's line as it is now, whatever line first defined the graph.
   std::map<ir::Hash128, std::vector<uint32_t>> nodeLocations_;
   llvm::StringMap<uint32_t> locationIds_;
+  std::string cacheDir_;
+  std::map<ir::Hash128, GraphInfo> graphs_;
+  std::map<uint32_t, SiteInfo> sites_;
+  uint32_t site_ = 0; ///< The user's line whose sync is being served.
+  std::vector<ir::Hash128> runsInFrame_;
+  LogSink logSink_ = nullptr;
+  bool logDebug_ = false;
+  uint64_t recompileWarnAfter_ = 5;
   std::vector<std::string> locations_{std::string()};
 };
 

@@ -151,3 +151,23 @@ TEST(Graph, PrintsOneNodePerLine) {
             std::string::npos)
       << text;
 }
+
+TEST(Graph, DiffNamesAShapeChange) {
+  bool shapesOnly = false;
+  auto lines = diffGraphs(mulAdd(meta({8, 16})), mulAdd(meta({12, 16})), &shapesOnly);
+  ASSERT_FALSE(lines.empty());
+  EXPECT_EQ(lines[0], "input 0: f32[8,16] vs f32[12,16]");
+  EXPECT_TRUE(shapesOnly);
+  EXPECT_TRUE(diffGraphs(mulAdd(), mulAdd()).empty());
+}
+
+TEST(Graph, DiffNamesAddedAndRemovedOps) {
+  Graph other = mulAdd();
+  other.nodes[1].op = Symbol::get("aten::sub.Tensor");
+  bool shapesOnly = true;
+  auto lines = diffGraphs(mulAdd(), other, &shapesOnly);
+  EXPECT_FALSE(shapesOnly);
+  EXPECT_EQ(lines[0], "first difference at node 1: aten::add.Tensor vs aten::sub.Tensor");
+  EXPECT_NE(std::find(lines.begin(), lines.end(), "+ aten::sub.Tensor"), lines.end());
+  EXPECT_NE(std::find(lines.begin(), lines.end(), "- aten::add.Tensor"), lines.end());
+}

@@ -1,0 +1,38 @@
+//===- rgpu/wire/Cache.h - Graph cache files ---------------------------------===//
+//
+// Every graph a client ships is also kept as one file, `<32 hex digits>.rgraph`, in its graph
+// cache directory, so that rgpu-trace-dump can list, show and diff what was traced. Files are
+// written whole to a temporary name and renamed, so a reader never sees half a file.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "rgpu/ir/Graph.h"
+
+#include <string>
+#include <vector>
+
+namespace rgpu::wire {
+
+struct GraphRecord {
+  ir::Hash128 hash;
+  ir::Graph graph;
+  uint64_t firstSeen = 0;
+  uint64_t runs = 0;
+  std::string cutAt;
+};
+
+/// The cache directory used when none is given: $RGPU_CACHE_DIR ("off" for none), else
+/// $XDG_CACHE_HOME/rgpu/graphs, else ~/.cache/rgpu/graphs.
+std::string defaultCacheDir();
+
+/// The path of \p hash's file inside the cache directory \p dir.
+std::string cacheFilePath(const std::string &dir, const ir::Hash128 &hash);
+/// Writes \p g into \p dir (created if missing). Returns "" or what went wrong.
+std::string writeCachedGraph(const std::string &dir, const GraphRecord &g);
+/// Reads one cache file. Returns "" or why it cannot be read (missing, corrupt, wrong hash).
+std::string readCachedGraph(const std::string &path, GraphRecord &g);
+/// The hashes of every cache file in \p dir, sorted; empty if the directory does not exist.
+std::vector<ir::Hash128> listCachedGraphs(const std::string &dir);
+
+} // namespace rgpu::wire

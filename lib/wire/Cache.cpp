@@ -1,0 +1,97 @@
+#include "rgpu/wire/Cache.h"
+#include "rgpu/wire/Wire.h"
+
+#include <capnp/serialize.h>
+#include <llvm/Support/FileSystem.h>
+#include <llvm/Support/MemoryBuffer.h>
+#include <llvm/Support/Path.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <unistd.h>
+
+namespace rgpu::wire {
+
+std::string defaultCacheDir() {
+  if (const char *dir = std::getenv("RGPU_CACHE_DIR"); dir && *dir)
+    return std::string(dir) == "off" ? "" : dir;
+  if (const char *xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg)
+    return std::string(xdg) + "/rgpu/graphs";
+  const char *home = std::getenv("HOME");
+  return std::string(home ? home : ".") + "/.cache/rgpu/graphs";
+}
+
+std::string cacheFilePath(const std::string &dir, const ir::Hash128 &hash) {
+  llvm::SmallString<256> path(dir);
+  llvm::sys::path::append(path, hash.hex() + ".rgraph");
+  return std::string(path);
+}
+
+std::string writeCachedGraph(const std::string &dir, const GraphRecord &g) {
+  if (std::error_code ec = llvm::sys::fs::create_directories(dir))
+    return "cannot create " + dir + ": " + ec.message();
+  capnp::MallocMessageBuilder b;
+  auto root = b.initRoot<wire::CachedGraph>();
+  encodeHash(g.hash, root.initHash());
+  encodeGraph(g.graph, root.initGraph());
+  root.setFirstSeen(g.firstSeen);
+  root.setRuns(g.runs);
+  root.setCutAt(g.cutAt);
+  auto words = capnp::messageToFlatArray(b);
+  auto bytes = words.asBytes();
+  std::string path = cacheFilePath(dir, g.hash);
+  std::string tmp = path + ".tmp" + std::to_string(getpid());
+  FILE *f = std::fopen(tmp.c_str(), "wb");
+  if (!f)
+    return "cannot write " + tmp;
+  bool ok = std::fwrite(bytes.begin(), 1, bytes.size(), f) == bytes.size();
+  ok = std::fclose(f) == 0 && ok;
+  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    return "cannot write " + path;
+  }
+  return "";
+}
+
+std::string readCachedGraph(const std::string &path, GraphRecord &g) {
+  auto buffer = llvm::MemoryBuffer::getFile(path);
+  if (!buffer)
+    return path + ": " + buffer.getError().message();
+  llvm::StringRef data = (*buffer)->getBuffer();
+  if (data.size() % sizeof(capnp::word) != 0 || data.empty())
+    return path + ": not a graph cache file (truncated or corrupt)";
+  kj::Array<capnp::word> words = kj::heapArray<capnp::word>(data.size() / sizeof(capnp::word));
+  std::memcpy(words.begin(), data.data(), data.size());
+  try {
+    Limits limits;
+    capnp::FlatArrayMessageReader reader(words, readerOptions(limits, data.size(), false));
+    auto root = reader.getRoot<wire::CachedGraph>();
+    g.hash = decodeHash(root.getHash());
+    if (std::string e = decodeGraph(root.getGraph(), limits, g.graph); !e.empty())
+      return path + ": corrupt graph: " + e;
+    if (ir::hashGraph(g.graph) != g.hash)
+      return path + ": corrupt graph: its contents do not match its hash";
+    g.firstSeen = root.getFirstSeen();
+    g.runs = root.getRuns();
+    g.cutAt = root.getCutAt();
+  } catch (const kj::Exception &e) {
+    return path + ": not a graph cache file (" + std::string(e.getDescription().cStr()) + ")";
+  }
+  return "";
+}
+
+std::vector<ir::Hash128> listCachedGraphs(const std::string &dir) {
+  std::vector<ir::Hash128> hashes;
+  std::error_code ec;
+  for (llvm::sys::fs::directory_iterator it(dir, ec), end; it != end && !ec; it.increment(ec)) {
+    llvm::StringRef name = llvm::sys::path::filename(it->path());
+    ir::Hash128 h;
+    if (name.endswith(".rgraph") && ir::Hash128::parse(name.drop_back(7), h))
+      hashes.push_back(h);
+  }
+  std::sort(hashes.begin(), hashes.end());
+  return hashes;
+}
+
+} // namespace rgpu::wire

@@ -1,0 +1,120 @@
+"""rgpu-trace-dump, rgpu-run, metrics, logging and the recompile warning."""
+
+import os
+import subprocess
+import sys
+
+from conftest import run_client
+
+BIN = os.path.dirname(sys.executable)
+TRACE_DUMP = os.path.join(BIN, "rgpu-trace-dump")
+RUN = os.path.join(BIN, "rgpu-run")
+
+MLP = """
+import torch, rgpu
+torch.manual_seed(0)
+mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to('rgpu')
+torch.rgpu.synchronize()
+with torch.no_grad():
+    for batch in BATCHES:
+        print(mlp(torch.randn(batch, 16).to('rgpu')).sum().item())
+"""
+
+
+def dump(cache, *args):
+    return subprocess.run([TRACE_DUMP, "--cache", str(cache), *args], capture_output=True, text=True)
+
+
+def test_trace_dump_lists_shows_and_diffs_a_shape_change(server, tmp_path):
+    cache = tmp_path / "graphs"
+    r = run_client(server.address, MLP.replace("BATCHES", "[8, 8, 12]"), env={"RGPU_CACHE_DIR": str(cache)})
+    assert r.returncode == 0, r.stderr
+    listing = dump(cache, "list")
+    assert listing.returncode == 0, listing.stderr
+    # One graph materialises the parameters at the synchronize; the forward cuts two more.
+    lines = [line for line in listing.stdout.strip().splitlines() if "cut at <string>:8" in line]
+    assert len(lines) == 2, listing.stdout
+    hashes = [line.split()[0] for line in lines]
+    assert sorted(int(line.split("runs ")[1].split()[0]) for line in lines) == [1, 2]
+
+    shown = dump(cache, "show", hashes[0])
+    assert "aten::addmm" in shown.stdout and "aten::relu" in shown.stdout, shown.stdout
+    dot = dump(cache, "show", hashes[1][:8], "--format", "dot")
+    assert dot.stdout.startswith("digraph rgpu {") and "aten::addmm" in dot.stdout
+
+    diff = dump(cache, "diff", hashes[0][:10], hashes[1][:10])
+    text = diff.stdout
+    assert ("f32[8,16] vs f32[12,16]" in text) or ("f32[12,16] vs f32[8,16]" in text), text
+    assert "only tensor shapes differ" in text
+
+
+def test_trace_dump_errors_are_one_line(tmp_path):
+    empty = dump(tmp_path, "list")
+    assert empty.returncode != 0 and "no graphs" in empty.stderr
+    (tmp_path / ("ab" * 16 + ".rgraph")).write_bytes(b"not a graph at all!!!!!!")
+    corrupt = dump(tmp_path, "show", "abab")
+    assert corrupt.returncode != 0
+    assert len(corrupt.stderr.strip().splitlines()) == 1 and "corrupt" in corrupt.stderr or "not a graph" in corrupt.stderr
+    unknown = dump(tmp_path, "show", "ffff")
+    assert unknown.returncode != 0 and "no graph matches 'ffff'" in unknown.stderr
+    usage = dump(tmp_path)
+    assert usage.returncode == 2
+
+
+def test_recompile_warning_fires_for_changing_shapes_only(server, tmp_path):
+    env = {"RGPU_CACHE_DIR": "off"}
+    varying = run_client(server.address, MLP.replace("BATCHES", "range(4, 12)"), env=env)
+    assert "differ only in tensor shapes" in varying.stderr, varying.stderr
+    assert " vs f32[" in varying.stderr
+    steady = run_client(server.address, MLP.replace("BATCHES", "[8] * 8"), env=env)
+    assert "differ only in tensor shapes" not in steady.stderr, steady.stderr
+
+
+def test_debug_log_shows_cuts_definitions_and_waits(server):
+    r = run_client(server.address, MLP.replace("BATCHES", "[8]"), env={"RGPU_LOG": "debug", "RGPU_CACHE_DIR": "off"})
+    assert "cut (read of a value)" in r.stderr, r.stderr
+    assert "define graph" in r.stderr and "wait at <string>:" in r.stderr
+
+
+def test_metrics_report_names_graphs_sites_and_recompiles(server):
+    code = MLP.replace("BATCHES", "[8, 8, 12]") + "\nprint(rgpu.metrics_report())"
+    r = run_client(server.address, code, env={"RGPU_CACHE_DIR": "off"})
+    assert r.returncode == 0, r.stderr
+    for part in ("counters:", "graphs (3):", "sync sites", "recompiles", "f32[8,16] vs f32[12,16]"):
+        assert part in r.stdout, r.stdout
+
+
+def rgpu_run(*args, env=None):
+    return subprocess.run([RUN, *args], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, **(env or {})))
+
+
+def test_rgpu_run_passes_the_server_and_the_exit_status(server):
+    code = "import os, sys; print(os.environ['RGPU_OPSERVER']); sys.exit(7)"
+    r = rgpu_run("--server", server.address, "--", sys.executable, "-c", code)
+    assert r.returncode == 7 and r.stdout.strip() == server.address
+    trains = rgpu_run("--server", server.address, "--", sys.executable, "-c",
+                      "import torch, rgpu; print(torch.ones(3, device='rgpu').sum().item())")
+    assert trains.returncode == 0 and trains.stdout.strip() == "3.0", trains.stderr
+
+
+def test_rgpu_run_usage_errors():
+    assert rgpu_run("--server", "127.0.0.1:1").returncode == 2
+    assert rgpu_run("--", "true").returncode == 2
+    assert rgpu_run("--server", "127.0.0.1:1", "--", "/no/such/program").returncode == 127
+
+
+def test_rgpu_run_builds_the_ssh_tunnel_command(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+    import rgpu_cli
+
+    assert rgpu_cli.ssh_command("me@gpu", 5555, 9720, ssh_port=2222, identity="~/.ssh/k") == [
+        "ssh", "-N", "-o", "ExitOnForwardFailure=yes", "-o", "BatchMode=yes",
+        "-L", "127.0.0.1:5555:127.0.0.1:9720", "-p", "2222", "-i", "~/.ssh/k", "me@gpu"]
+    # An ssh that fails at once: the tunnel never comes up, and ssh's message is passed on.
+    fake = tmp_path / "ssh"
+    fake.write_text("#!/bin/sh\necho 'ssh: Could not resolve hostname nowhere' >&2\nexit 255\n")
+    fake.chmod(0o755)
+    r = rgpu_run("--host", "nowhere", "--", "true", env={"PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert r.returncode == 1
+    assert "did not come up" in r.stderr and "Could not resolve hostname" in r.stderr
