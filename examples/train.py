@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -27,6 +28,8 @@ def start_server():
         sys.stderr.write(line)
         m = re.search(r"listening on ([\d.]+:\d+)", line)
         if m:
+            # Keep passing the server's log on, so that its pipe never fills up.
+            threading.Thread(target=lambda: [sys.stderr.write(x) for x in proc.stderr], daemon=True).start()
             return proc, m.group(1)
     raise SystemExit("rgpu-opserver did not start")
 

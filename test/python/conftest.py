@@ -5,12 +5,17 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Tests keep their traced graphs out of the user's cache (set before any test imports rgpu).
+os.environ.setdefault("RGPU_CACHE_DIR", tempfile.mkdtemp(prefix="rgpu-test-graphs-"))
 
 
 def opserver_path():
@@ -38,9 +43,15 @@ class Server:
             if m:
                 self.address = f"{m.group(1)}:{m.group(2)}"
                 self.port = int(m.group(2))
+                # Keep reading its log: a full pipe would block the server's next log line.
+                threading.Thread(target=self._drain, daemon=True).start()
                 return
         self.proc.kill()
         raise RuntimeError("rgpu-opserver did not start:\n" + "".join(self.log))
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.log.append(line)
 
     def alive(self):
         return self.proc.poll() is None
