@@ -339,3 +339,12 @@ TEST(Faults, AGraphThatDoesNotMatchItsHashIsRefused) {
   EXPECT_NE(Peer::errorOf(*reply).find("does not match its hash"), std::string::npos);
   expectGoodSessionUnaffected();
 }
+
+TEST(Faults, AHelloWithAnotherProtocolVersionIsRefusedClearly) {
+  Peer bad;
+  auto reply = bad.send(true, 1, [](auto cmds) { cmds[0].initHello().setProtocol(999); });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("version mismatch"), std::string::npos);
+  EXPECT_TRUE(bad.closedByServer());
+  expectGoodSessionUnaffected();
+}
