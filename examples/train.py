@@ -35,7 +35,7 @@ def start_server():
 
 
 def sparkline(values, width=60):
-    bars = " ▁▂▃▄▅▆▇█"
+    bars = "▁▂▃▄▅▆▇█"
     lo, hi = min(values), max(values)
     step = max(1, len(values) // width)
     picked = values[::step]
