@@ -60,6 +60,7 @@ public:
 
   const ir::Graph &graph() const { return graph_; }
   ir::Hash128 hash;
+  uint64_t buildNs = 0; ///< Time spent verifying the graph and building this plan.
 
 private:
   /// How to produce one stack slot.

@@ -5,6 +5,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/headeronly/version.h>
 
+#include <chrono>
 #include <cstring>
 #include <iostream>
 
@@ -19,6 +20,11 @@ void log(const std::string &message) {
 std::string torchVersion() {
   return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
          std::to_string(TORCH_VERSION_PATCH);
+}
+
+size_t Context::graphsCached() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return plans_.size();
 }
 
 std::shared_ptr<const Plan> Context::find(const ir::Hash128 &hash) {
@@ -36,12 +42,16 @@ std::shared_ptr<const Plan> Context::define(const ir::Hash128 &hash, ir::Graph g
     return nullptr;
   }
   size_t nodes = graph.nodes.size();
+  auto start = std::chrono::steady_clock::now();
   std::shared_ptr<Plan> plan = Plan::build(std::move(graph), error);
   if (!plan)
     return nullptr;
   plan->hash = hash;
+  plan->buildNs = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - start).count();
   ++planBuilds;
-  log("graph " + hash.hex().substr(0, 12) + ": plan built, " + std::to_string(nodes) + " nodes");
+  log("graph " + hash.hex().substr(0, 12) + ": plan built, " + std::to_string(nodes) +
+      " nodes, " + std::to_string(plan->buildNs / 1000000.0).substr(0, 6) + " ms");
   std::lock_guard<std::mutex> lock(mu_);
   return plans_.emplace(hash, plan).first->second;
 }
@@ -128,6 +138,9 @@ FrameOutcome Session::handle(const net::Frame &frame) {
         generator_.set_current_seed(cmd.getSeed());
         break;
       }
+      case wire::Command::STATS:
+        results.push_back({wire::Result::STATS, nullptr, {}});
+        break;
       case wire::Command::SYNC:
         if (ctx_.device().is_cuda())
           at::detail::getCUDAHooks().deviceSynchronize(ctx_.device().index());
@@ -180,6 +193,7 @@ FrameOutcome Session::handle(const net::Frame &frame) {
         wire::encodeMeta(item.metas[k], ms[k]);
       break;
     }
+    case wire::Result::STATS: stats(rs[i].initStats()); break;
     default: rs[i].setDone(); break;
     }
   }
@@ -200,6 +214,26 @@ FrameOutcome Session::handle(const net::Frame &frame) {
   outcome.reply = net::encodeFrame(reply, frame.bytes < (1u << 16) && results.size() <= 4 &&
                                               (results.empty() || results[0].data.size() < 4096));
   return outcome;
+}
+
+void Session::stats(wire::ServerStats::Builder out) {
+  out.setPlanBuilds(ctx_.planBuilds);
+  out.setGraphsCached(ctx_.graphsCached());
+  out.setGraphRuns(ctx_.graphRuns);
+  out.setSessions(ctx_.sessions);
+  out.setSessionGraphRuns(runs_);
+  out.setSessionExecuteNs(executeNs_);
+  out.setSessionTensors(tensors_.size());
+  auto graphs = out.initGraphs(used_.size());
+  size_t i = 0;
+  for (const auto &[hash, use] : used_) {
+    auto g = graphs[i++];
+    wire::encodeHash(hash, g.initHash());
+    g.setNodes(use.plan->graph().nodes.size());
+    g.setRuns(use.runs);
+    g.setExecuteNs(use.executeNs);
+    g.setBuildNs(use.plan->buildNs);
+  }
 }
 
 void Session::hello(wire::Hello::Reader r, std::string &fatal) {
@@ -281,9 +315,18 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     scalars.push_back(wire::decodeScalar(s));
   std::vector<Entry> outputs;
   ++ctx_.graphRuns;
+  auto start = std::chrono::steady_clock::now();
   if (ErrorPtr e = plan->run(inputs, scalars, {ctx_.device(), generator_}, outputs,
                              !r.getReplyMetas()))
     fail(e);
+  uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now() - start).count();
+  GraphUse &use = used_[hash];
+  use.plan = plan;
+  ++use.runs;
+  use.executeNs += ns;
+  ++runs_;
+  executeNs_ += ns;
   for (size_t k = 0; k < outputs.size(); ++k) {
     if (r.getReplyMetas()) {
       ir::TensorMeta m;

@@ -34,6 +34,7 @@ public:
   std::shared_ptr<const Plan> define(const ir::Hash128 &hash, ir::Graph graph, std::string &error);
 
   std::atomic<uint64_t> planBuilds{0}, graphRuns{0}, sessions{0};
+  size_t graphsCached();
 
 private:
   at::Device device_;
@@ -75,6 +76,13 @@ private:
   llvm::DenseMap<uint64_t, Entry> tensors_;
   std::map<uint64_t, std::unique_ptr<Partial>> partial_;
   std::map<ir::Hash128, ErrorPtr> refused_; ///< Graphs this session defined that failed checks.
+  struct GraphUse {
+    std::shared_ptr<const Plan> plan;
+    uint64_t runs = 0, executeNs = 0;
+  };
+  std::map<ir::Hash128, GraphUse> used_; ///< What rgpu.server_stats() reports for this session.
+  uint64_t runs_ = 0, executeNs_ = 0;
+  void stats(wire::ServerStats::Builder out);
   ErrorPtr pending_; ///< The first error not yet reported to the client.
 };
 

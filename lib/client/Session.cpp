@@ -394,11 +394,13 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
   c.handle = impl->value.data->handle;
   c.meta = want;
   queue(std::move(c));
-  std::vector<std::string> results = flush(true);
+  Reply reply = flush(true);
   ++stats.downloads;
   at::Tensor out = at::empty_strided(want.sizes, want.strides,
                                      at::TensorOptions().dtype(static_cast<c10::ScalarType>(want.dtype)));
-  const std::string &bytes = results.back();
+  if (reply.data.empty())
+    lose("the server did not answer a download");
+  const std::string &bytes = reply.data.back();
   if (bytes.size() != uint64_t(want.storageBytes()))
     lose("the server sent " + std::to_string(bytes.size()) + " bytes for a tensor of " +
          std::to_string(want.storageBytes()));
@@ -465,8 +467,7 @@ Session::runNow(llvm::IntrusiveRefCntPtr<TraceNode> node) {
   uint64_t first = run.handle;
   queue(std::move(run));
   ++stats.graphRuns;
-  std::vector<std::vector<ir::TensorMeta>> metas;
-  flush(true, &metas);
+  std::vector<std::vector<ir::TensorMeta>> metas = flush(true).metas;
   std::vector<std::pair<Value, ir::TensorMeta>> outs;
   if (metas.empty() || metas.back().size() != n.outputs.size())
     lose("the server answered a data-dependent op with the wrong number of outputs");
@@ -524,8 +525,18 @@ std::string Session::describe(const wire::Error::Reader &e) {
   return msg + std::string(e.getMessage());
 }
 
-std::vector<std::string> Session::flush(bool wantReply,
-                                        std::vector<std::vector<ir::TensorMeta>> *metas) {
+Session::ServerStats Session::serverStats() {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  Command c;
+  c.kind = wire::Command::STATS;
+  queue(std::move(c));
+  Reply reply = flush(true);
+  if (reply.stats.empty())
+    lose("the server did not answer a stats request");
+  return reply.stats.back();
+}
+
+Session::Reply Session::flush(bool wantReply) {
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
   if (!socket_.connected()) {
@@ -592,6 +603,7 @@ std::vector<std::string> Session::flush(bool wantReply,
       break;
     }
     case wire::Command::SEED: cb.setSeed(c.handle); break;
+    case wire::Command::STATS: cb.setStats(); break;
     case wire::Command::SYNC: cb.setSync(); break;
     default: break;
     }
@@ -637,7 +649,7 @@ std::vector<std::string> Session::flush(bool wantReply,
     lose("the connection to rgpu-opserver at " + address_ + " failed");
   }
   stats.bytesIn += reply.bytes + net::kHeaderBytes;
-  std::vector<std::string> results;
+  Reply results;
   std::string error;
   bool fatal = false;
   try {
@@ -659,18 +671,32 @@ std::vector<std::string> Session::flush(bool wantReply,
       }
       case wire::Result::DATA: {
         auto d = r.getData();
-        results.emplace_back(reinterpret_cast<const char *>(d.begin()), d.size());
+        results.data.emplace_back(reinterpret_cast<const char *>(d.begin()), d.size());
         break;
       }
       case wire::Result::METAS:
-        if (metas) {
-          metas->emplace_back();
-          for (auto m : r.getMetas()) {
-            metas->back().emplace_back();
-            wire::decodeMeta(m, metas->back().back());
-          }
+        results.metas.emplace_back();
+        for (auto m : r.getMetas()) {
+          results.metas.back().emplace_back();
+          wire::decodeMeta(m, results.metas.back().back());
         }
         break;
+      case wire::Result::STATS: {
+        auto st = r.getStats();
+        ServerStats out;
+        out.planBuilds = st.getPlanBuilds();
+        out.graphsCached = st.getGraphsCached();
+        out.graphRuns = st.getGraphRuns();
+        out.sessions = st.getSessions();
+        out.sessionGraphRuns = st.getSessionGraphRuns();
+        out.sessionExecuteNs = st.getSessionExecuteNs();
+        out.sessionTensors = st.getSessionTensors();
+        for (auto g : st.getGraphs())
+          out.graphs.push_back({wire::decodeHash(g.getHash()), g.getNodes(), g.getRuns(),
+                                g.getExecuteNs(), g.getBuildNs()});
+        results.stats.push_back(std::move(out));
+        break;
+      }
       default: break;
       }
     }

@@ -116,6 +116,7 @@ struct Command {
     release @5 :List(UInt64);
     seed @6 :UInt64;
     sync @7 :Void;
+    stats @8 :Void;      # answered with the server's counters
   }
 }
 
@@ -152,7 +153,27 @@ struct Result {
     data @1 :Data;                 # a Download's bytes
     metas @2 :List(TensorMeta);    # a Run with replyMetas
     done @3 :Void;                 # a Sync
+    stats @4 :ServerStats;         # a Stats
   }
+}
+
+struct GraphStats {
+  hash @0 :Hash;
+  nodes @1 :UInt32;
+  runs @2 :UInt64;       # by this session
+  executeNs @3 :UInt64;  # by this session
+  buildNs @4 :UInt64;    # verifying it and building its plan
+}
+
+struct ServerStats {
+  planBuilds @0 :UInt64;
+  graphsCached @1 :UInt64;
+  graphRuns @2 :UInt64;
+  sessions @3 :UInt64;
+  sessionGraphRuns @4 :UInt64;
+  sessionExecuteNs @5 :UInt64;
+  sessionTensors @6 :UInt64;
+  graphs @7 :List(GraphStats);   # the graphs this session ran
 }
 
 struct ServerFrame {

@@ -20,6 +20,7 @@ __all__ = [
     "SessionLost",
     "mark_step",
     "metrics_report",
+    "server_stats",
     "set_server",
     "stats",
     "synchronize",
@@ -90,16 +91,41 @@ def mark_step(wait: bool = False) -> None:
     _C.mark_step(wait)
 
 
+def server_stats() -> dict:
+    """The server's counters since it started, with this session's own under ``session``.
+
+    ``plan_builds``, ``graphs_cached``, ``graph_runs``, ``sessions``; ``session`` holds
+    ``graph_runs``, ``execute_ms``, ``tensors`` and per graph ``runs``, ``execute_ms`` and
+    ``build_ms`` (verifying the graph and building its plan). One round trip.
+    """
+    return _C.server_stats()
+
+
 def metrics_report() -> str:
-    """A readable report: counters, graphs and their runs, sync sites and recompiles."""
+    """A readable report: client and server counters, graphs with their runs, execute and build
+    times, sync sites by wait, and recompiles with their cause. Asks the server (one round trip).
+    """
     s = stats()
     m = _C.metrics()
-    lines = ["rgpu metrics", "", "counters:"]
+    try:
+        server = server_stats()
+    except (SessionLost, RuntimeError) as e:
+        server = {"unavailable": str(e).splitlines()[0]}
+    on_server = {g["hash"]: g for g in server.get("session", {}).get("graphs", [])}
+    lines = ["rgpu metrics", "", "client counters:"]
     lines += [f"  {k:16} {v}" for k, v in s.items()]
-    lines += ["", f"graphs ({len(m['graphs'])}):", "  hash          nodes    runs  mean wait ms  cut at"]
+    lines += ["", "server counters:"]
+    lines += [f"  {k:16} {v}" for k, v in server.items() if k != "session"]
+    if "session" in server:
+        lines += [f"  session {k:8} {v}" for k, v in server["session"].items() if k != "graphs"]
+    lines += ["", f"graphs ({len(m['graphs'])}):",
+              "  hash          nodes    runs  exec ms/run  wait ms/run  build ms  cut at"]
     for g in sorted(m["graphs"], key=lambda g: -g["runs"]):
-        mean = g["wait_ms"] / g["waited_runs"] if g["waited_runs"] else 0.0
-        lines.append(f"  {g['hash'][:12]}  {g['nodes']:5}  {g['runs']:6}  {mean:12.2f}  {g['cut_at'] or '?'}")
+        wait = g["wait_ms"] / g["waited_runs"] if g["waited_runs"] else 0.0
+        sg = on_server.get(g["hash"], {})
+        execute = sg["execute_ms"] / sg["runs"] if sg.get("runs") else 0.0
+        lines.append(f"  {g['hash'][:12]}  {g['nodes']:5}  {g['runs']:6}  {execute:11.2f}  {wait:11.2f}"
+                     f"  {sg.get('build_ms', 0.0):8.2f}  {g['cut_at'] or '?'}")
     lines += ["", "sync sites (by total wait):", "  syncs  wait ms  site"]
     for site in sorted(m["sites"], key=lambda x: -x["wait_ms"]):
         if site["syncs"]:

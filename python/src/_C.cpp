@@ -155,6 +155,34 @@ PYBIND11_MODULE(_C, m) {
     out["sites"] = sites;
     return out;
   });
+  m.def("server_stats", []() {
+    Session::ServerStats st;
+    {
+      py::gil_scoped_release release;
+      st = Session::get().serverStats();
+    }
+    py::dict session, out;
+    session["graph_runs"] = st.sessionGraphRuns;
+    session["execute_ms"] = st.sessionExecuteNs / 1e6;
+    session["tensors"] = st.sessionTensors;
+    py::list graphs;
+    for (const auto &g : st.graphs) {
+      py::dict d;
+      d["hash"] = g.hash.hex();
+      d["nodes"] = g.nodes;
+      d["runs"] = g.runs;
+      d["execute_ms"] = g.executeNs / 1e6;
+      d["build_ms"] = g.buildNs / 1e6;
+      graphs.append(d);
+    }
+    session["graphs"] = graphs;
+    out["plan_builds"] = st.planBuilds;
+    out["graphs_cached"] = st.graphsCached;
+    out["graph_runs"] = st.graphRuns;
+    out["sessions"] = st.sessions;
+    out["session"] = session;
+    return out;
+  });
   m.def("is_pending", [](const at::Tensor &t) {
     LazyTensorImpl *impl = lazyImpl(t);
     return impl && impl->value.pending();

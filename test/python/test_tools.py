@@ -80,8 +80,22 @@ def test_metrics_report_names_graphs_sites_and_recompiles(server):
     code = MLP.replace("BATCHES", "[8, 8, 12]") + "\nprint(rgpu.metrics_report())"
     r = run_client(server.address, code, env={"RGPU_CACHE_DIR": "off"})
     assert r.returncode == 0, r.stderr
-    for part in ("counters:", "graphs (3):", "sync sites", "recompiles", "f32[8,16] vs f32[12,16]"):
+    for part in ("client counters:", "server counters:", "plan_builds", "graphs (3):", "exec ms/run",
+                 "sync sites", "recompiles", "f32[8,16] vs f32[12,16]"):
         assert part in r.stdout, r.stdout
+
+
+def test_server_stats_counts_this_sessions_runs(server):
+    code = MLP.replace("BATCHES", "[8, 8]") + "\nimport json; print(json.dumps(rgpu.server_stats()))"
+    r = run_client(server.address, code, env={"RGPU_CACHE_DIR": "off"})
+    assert r.returncode == 0, r.stderr
+    import json
+
+    st = json.loads(r.stdout.strip().splitlines()[-1])
+    assert st["plan_builds"] >= 1 and st["graphs_cached"] >= 2 and st["sessions"] >= 1
+    assert st["session"]["graph_runs"] == 3  # the parameters, then two forwards of one graph
+    assert sorted(g["runs"] for g in st["session"]["graphs"]) == [1, 2]
+    assert all(g["execute_ms"] > 0 for g in st["session"]["graphs"])
 
 
 def rgpu_run(*args, env=None):

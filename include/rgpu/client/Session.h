@@ -80,6 +80,19 @@ public:
   /// metas as the server computed them: the path for data-dependent output shapes.
   std::vector<std::pair<Value, ir::TensorMeta>> runNow(llvm::IntrusiveRefCntPtr<TraceNode> node);
 
+  /// The server's counters, and this session's on the server (one round trip).
+  struct ServerStats {
+    uint64_t planBuilds = 0, graphsCached = 0, graphRuns = 0, sessions = 0;
+    uint64_t sessionGraphRuns = 0, sessionExecuteNs = 0, sessionTensors = 0;
+    struct Graph {
+      ir::Hash128 hash;
+      uint32_t nodes = 0;
+      uint64_t runs = 0, executeNs = 0, buildNs = 0;
+    };
+    std::vector<Graph> graphs;
+  };
+  ServerStats serverStats();
+
   void release(uint64_t handle);
   void seed(uint64_t seed);
   /// Waits until the server has executed everything sent so far.
@@ -132,9 +145,14 @@ private:
   void noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph);
   void log(int level, const std::string &message);
   void queue(Command c);
-  /// Sends the queued commands as one frame. With \p wantReply, waits for the server's answer and
-  /// returns its results (in command order of the value-producing commands).
-  std::vector<std::string> flush(bool wantReply, std::vector<std::vector<ir::TensorMeta>> *metas = nullptr);
+  /// What an awaited frame brought back, in command order per kind.
+  struct Reply {
+    std::vector<std::string> data;                  ///< Downloads.
+    std::vector<std::vector<ir::TensorMeta>> metas; ///< Runs of data-dependent ops.
+    std::vector<ServerStats> stats;                 ///< Stats requests.
+  };
+  /// Sends the queued commands as one frame. With \p wantReply, waits for the server's answer.
+  Reply flush(bool wantReply);
   void connect();
   [[noreturn]] void lose(const std::string &why);
   uint64_t newHandles(uint64_t n) { uint64_t h = nextHandle_; nextHandle_ += n; return h; }
