@@ -75,7 +75,8 @@ void Session::fail(ErrorPtr error) {
 }
 
 namespace {
-ErrorPtr protocolError(std::string message) {
+/// An error that belongs to no node: a bad handle, a refused graph, a failed download.
+ErrorPtr sessionError(std::string message) {
   return std::make_shared<RemoteError>(RemoteError{"", std::move(message), ""});
 }
 
@@ -153,7 +154,7 @@ FrameOutcome Session::handle(const net::Frame &frame) {
         throw;
       } catch (const std::exception &e) {
         const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
-        fail(protocolError(ce ? ce->what_without_backtrace() : e.what()));
+        fail(sessionError(ce ? ce->what_without_backtrace() : e.what()));
         if (cmd.which() == wire::Command::DOWNLOAD && results.size() &&
             results.back().kind == wire::Result::DATA)
           results.back().data = nullptr;
@@ -254,7 +255,7 @@ void Session::define(wire::Define::Reader r) {
   if (error.empty() && ctx_.define(hash, std::move(graph), error))
     return;
   log(peer_ + ": refused graph " + hash.hex().substr(0, 12) + ": " + error);
-  auto e = protocolError("rgpu-opserver refused the graph: " + error);
+  auto e = sessionError("rgpu-opserver refused the graph: " + error);
   refused_[hash] = e;
   fail(e);
 }
@@ -272,14 +273,14 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     // Refused at Define (that error stays with its outputs) or never defined.
     auto refused = refused_.find(hash);
     ErrorPtr e = refused != refused_.end() ? refused->second
-                                           : protocolError("unknown graph " + hash.hex());
+                                           : sessionError("unknown graph " + hash.hex());
     fail(e);
     poisonAll(e, r.getNumOutputs());
     return;
   }
   const ir::Graph &g = plan->graph();
   if (r.getInputs().size() != g.inputs.size() || r.getScalars().size() != g.scalars.size()) {
-    auto e = protocolError("run of graph " + hash.hex().substr(0, 12) +
+    auto e = sessionError("run of graph " + hash.hex().substr(0, 12) +
                            " has the wrong number of inputs");
     fail(e);
     poisonAll(e, g.outputs.size());
@@ -291,7 +292,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     uint64_t h = r.getInputs()[i];
     auto it = tensors_.find(h);
     if (it == tensors_.end()) {
-      auto e = protocolError("unknown tensor handle " + std::to_string(h));
+      auto e = sessionError("unknown tensor handle " + std::to_string(h));
       fail(e);
       poisonAll(e, g.outputs.size());
       return;
@@ -300,7 +301,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     const ir::TensorMeta &m = g.inputs[i];
     if (!in.error && (in.tensor.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
                       in.tensor.scalar_type() != toScalarType(m.dtype))) {
-      auto e = protocolError("tensor handle " + std::to_string(h) + " does not match input " +
+      auto e = sessionError("tensor handle " + std::to_string(h) + " does not match input " +
                              std::to_string(i) + " " + m.str());
       fail(e);
       poisonAll(e, g.outputs.size());
@@ -347,7 +348,7 @@ void Session::upload(wire::Upload::Reader r) {
   auto data = r.getData();
   if (!wire::decodeMeta(r.getMeta(), meta) || uint64_t(meta.storageBytes()) != r.getTotal() ||
       r.getOffset() + data.size() > r.getTotal()) {
-    auto e = protocolError("malformed upload for handle " + std::to_string(handle));
+    auto e = sessionError("malformed upload for handle " + std::to_string(handle));
     fail(e);
     bind(handle, {at::Tensor(), e});
     return;
@@ -374,7 +375,7 @@ std::string Session::download(wire::Download::Reader r, kj::Array<kj::byte> &byt
   uint64_t handle = r.getHandle();
   auto it = tensors_.find(handle);
   if (it == tensors_.end()) {
-    fail(protocolError("download of unknown tensor handle " + std::to_string(handle)));
+    fail(sessionError("download of unknown tensor handle " + std::to_string(handle)));
     return "";
   }
   if (it->second.error) {
@@ -385,7 +386,7 @@ std::string Session::download(wire::Download::Reader r, kj::Array<kj::byte> &byt
   const at::Tensor &t = it->second.tensor;
   if (!wire::decodeMeta(r.getMeta(), meta) || t.sizes() != llvm::ArrayRef<int64_t>(meta.sizes) ||
       t.scalar_type() != toScalarType(meta.dtype)) {
-    fail(protocolError("download of handle " + std::to_string(handle) +
+    fail(sessionError("download of handle " + std::to_string(handle) +
                        " asks for a layout that does not match the tensor"));
     return "";
   }

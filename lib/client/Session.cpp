@@ -136,6 +136,86 @@ void Session::queue(Command c) {
 // Cutting the trace into a graph
 //===----------------------------------------------------------------------===//
 
+Session::Traced Session::buildGraph(llvm::ArrayRef<TraceNode *> nodes,
+                                    llvm::ArrayRef<std::pair<TraceNode *, uint32_t>> outputs) {
+  // Inputs are numbered by first sight, then node outputs in trace order.
+  Traced t;
+  ir::Graph &g = t.graph;
+  llvm::DenseMap<DeviceData *, uint32_t> inputIds;
+  llvm::DenseMap<TraceNode *, uint32_t> firstValue;
+  llvm::DenseMap<uint32_t, uint32_t> locIds;
+  for (TraceNode *n : nodes)
+    for (const Value &v : n->inputs)
+      if (!v.pending() && inputIds.try_emplace(v.data.get(), uint32_t(g.inputs.size())).second) {
+        t.inputHandles.push_back(v.data->handle);
+        g.inputs.push_back(v.data->meta);
+      }
+  uint32_t next = g.inputs.size();
+  g.nodes.reserve(nodes.size());
+  t.clientLocs.push_back(0);
+  for (TraceNode *n : nodes) {
+    firstValue[n] = next;
+    g.nodes.push_back(n->node);
+    ir::Node &node = g.nodes.back();
+    node.operands.clear();
+    for (const Value &v : n->inputs)
+      node.operands.push_back(v.pending() ? firstValue.lookup(v.node.get()) + v.index
+                                          : inputIds.lookup(v.data.get()));
+    node.scalars.clear();
+    for (size_t s = 0; s < n->scalarSlots.size(); ++s) {
+      node.scalars.push_back(g.scalars.size());
+      g.scalars.push_back(n->scalarSlots[s]);
+      t.scalarValues.push_back(n->scalarValues[s]);
+    }
+    auto [it, inserted] = locIds.try_emplace(n->location, 0);
+    if (inserted) {
+      it->second = g.addLocation(locationText(n->location));
+      if (it->second == t.clientLocs.size())
+        t.clientLocs.push_back(n->location);
+    }
+    node.loc = it->second;
+    next += node.outputs.size();
+  }
+  for (auto [node, index] : outputs)
+    g.outputs.push_back(firstValue.lookup(node) + index);
+  return t;
+}
+
+uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason) {
+  ir::Canonical c = ir::canonicalize(t.graph);
+  Command run;
+  run.kind = wire::Command::RUN;
+  run.hash = c.hash;
+  for (uint32_t i : c.inputOrder)
+    run.handles.push_back(t.inputHandles[i]);
+  for (uint32_t s : c.scalarOrder)
+    run.scalars.push_back(t.scalarValues[s]);
+  run.count = c.graph.outputs.size();
+  run.handle = newHandles(run.count);
+  run.replyMetas = replyMetas;
+  // Where each canonical node came from in this trace, for error messages.
+  std::vector<uint32_t> &locs = nodeLocations_[c.hash];
+  locs.clear();
+  for (const ir::Node &node : c.graph.nodes)
+    locs.push_back(t.clientLocs[node.loc]);
+  log(10, std::string("cut (") + reason + ") at " + locationText(site_) + ": " +
+              std::to_string(c.graph.nodes.size()) + " nodes, graph " + c.hash.hex().substr(0, 12));
+  if (!defined_.count(c.hash)) {
+    Command def;
+    def.kind = wire::Command::DEFINE;
+    def.hash = c.hash;
+    def.graph = std::make_shared<const ir::Graph>(std::move(c.graph));
+    noteNewGraph(c.hash, def.graph);
+    queue(std::move(def));
+  }
+  ++graphs_[c.hash].runs;
+  runsInFrame_.push_back(c.hash);
+  ++stats.graphRuns;
+  uint64_t first = run.handle;
+  queue(std::move(run));
+  return first;
+}
+
 Session::CutOutputs Session::cut(const char *reason) {
   // Live tensors with pending work, grouped by the value they hold.
   struct Out {
@@ -180,84 +260,15 @@ Session::CutOutputs Session::cut(const char *reason) {
   std::sort(nodes.begin(), nodes.end(),
             [](const TraceNode *a, const TraceNode *b) { return a->seq < b->seq; });
 
-  // Number the raw graph: inputs by first sight, then node outputs in trace order.
-  ir::Graph g;
-  llvm::DenseMap<DeviceData *, uint32_t> inputIds;
-  std::vector<DeviceData *> inputData;
-  std::vector<ir::ScalarValue> scalarValues;
-  llvm::DenseMap<TraceNode *, uint32_t> firstValue;
-  llvm::DenseMap<uint32_t, uint32_t> locIds;
-  for (TraceNode *n : nodes)
-    for (const Value &v : n->inputs)
-      if (!v.pending() && inputIds.try_emplace(v.data.get(), uint32_t(inputData.size())).second) {
-        inputData.push_back(v.data.get());
-        g.inputs.push_back(v.data->meta);
-      }
-  uint32_t next = g.inputs.size();
-  g.nodes.reserve(nodes.size());
-  for (TraceNode *n : nodes) {
-    firstValue[n] = next;
-    g.nodes.push_back(n->node);
-    ir::Node &node = g.nodes.back();
-    node.operands.clear();
-    for (const Value &v : n->inputs)
-      node.operands.push_back(v.pending() ? firstValue.lookup(v.node.get()) + v.index
-                                          : inputIds.lookup(v.data.get()));
-    node.scalars.clear();
-    for (size_t s = 0; s < n->scalarSlots.size(); ++s) {
-      node.scalars.push_back(g.scalars.size());
-      g.scalars.push_back(n->scalarSlots[s]);
-      scalarValues.push_back(n->scalarValues[s]);
-    }
-    auto [it, inserted] = locIds.try_emplace(n->location, 0);
-    if (inserted)
-      it->second = g.addLocation(locationText(n->location));
-    node.loc = it->second;
-    next += node.outputs.size();
-  }
+  std::vector<std::pair<TraceNode *, uint32_t>> outputs;
   for (const Out &o : outs)
-    g.outputs.push_back(firstValue.lookup(o.node) + o.index);
-
-  ir::Canonical c = ir::canonicalize(g);
-  Command run;
-  run.kind = wire::Command::RUN;
-  run.hash = c.hash;
-  for (uint32_t i : c.inputOrder)
-    run.handles.push_back(inputData[i]->handle);
-  for (uint32_t s : c.scalarOrder)
-    run.scalars.push_back(scalarValues[s]);
-  run.count = outs.size();
-  run.handle = newHandles(outs.size());
-  // Remember where each canonical node came from, for error messages.
-  std::vector<uint32_t> &locs = nodeLocations_[c.hash];
-  locs.clear();
-  {
-    // Canonical nodes are a reordering of the raw ones; map through their locations table.
-    llvm::DenseMap<uint32_t, uint32_t> back;
-    for (auto [client, graphLoc] : locIds)
-      back[graphLoc] = client;
-    for (const ir::Node &node : c.graph.nodes)
-      locs.push_back(back.lookup(node.loc));
-  }
-  log(10, std::string("cut (") + reason + ") at " + locationText(site_) + ": " +
-             std::to_string(c.graph.nodes.size()) + " nodes, graph " + c.hash.hex().substr(0, 12));
-  if (!defined_.count(c.hash)) {
-    Command def;
-    def.kind = wire::Command::DEFINE;
-    def.hash = c.hash;
-    def.graph = std::make_shared<const ir::Graph>(std::move(c.graph));
-    noteNewGraph(c.hash, def.graph);
-    queue(std::move(def));
-  }
-  ++graphs_[c.hash].runs;
-  runsInFrame_.push_back(c.hash);
-  queue(std::move(run));
-  ++stats.graphRuns;
+    outputs.push_back({o.node, o.index});
+  uint64_t first = queueRun(buildGraph(nodes, outputs), false, reason);
 
   // The live tensors now hold device data; their traced nodes are released with them.
   for (size_t k = 0; k < outs.size(); ++k) {
     ir::TensorMeta meta = outs[k].node->node.outputs[outs[k].index];
-    llvm::IntrusiveRefCntPtr<DeviceData> data(new DeviceData(run.handle + k, std::move(meta)));
+    llvm::IntrusiveRefCntPtr<DeviceData> data(new DeviceData(first + k, std::move(meta)));
     for (LazyTensorImpl *impl : outs[k].impls)
       impl->value = Value{nullptr, 0, data};
     placed[{outs[k].node, outs[k].index}] = data;
@@ -424,52 +435,14 @@ Session::runNow(llvm::IntrusiveRefCntPtr<TraceNode> node) {
     TORCH_INTERNAL_ASSERT(data, "rgpu: an input of a data-dependent op was not materialised");
     v = Value{nullptr, 0, data};
   }
-  ir::Graph g;
-  std::vector<uint64_t> handles;
-  g.nodes.push_back(node->node);
-  ir::Node &n = g.nodes.back();
-  n.operands.clear();
-  for (const Value &v : node->inputs) {
-    n.operands.push_back(g.inputs.size());
-    g.inputs.push_back(v.data->meta);
-    handles.push_back(v.data->handle);
-  }
-  n.scalars.clear();
-  for (size_t s = 0; s < node->scalarSlots.size(); ++s) {
-    n.scalars.push_back(s);
-    g.scalars.push_back(node->scalarSlots[s]);
-  }
-  n.loc = g.addLocation(locationText(node->location));
-  for (uint32_t k = 0; k < n.outputs.size(); ++k)
-    g.outputs.push_back(g.inputs.size() + k);
-  ir::Canonical c = ir::canonicalize(g);
-  nodeLocations_[c.hash] = {node->location};
-  if (!defined_.count(c.hash)) {
-    Command def;
-    def.kind = wire::Command::DEFINE;
-    def.hash = c.hash;
-    def.graph = std::make_shared<const ir::Graph>(c.graph);
-    noteNewGraph(c.hash, def.graph);
-    queue(std::move(def));
-  }
-  ++graphs_[c.hash].runs;
-  runsInFrame_.push_back(c.hash);
-  Command run;
-  run.kind = wire::Command::RUN;
-  run.hash = c.hash;
-  for (uint32_t i : c.inputOrder)
-    run.handles.push_back(handles[i]);
-  for (uint32_t s : c.scalarOrder)
-    run.scalars.push_back(node->scalarValues[s]);
-  run.count = n.outputs.size();
-  run.handle = newHandles(run.count);
-  run.replyMetas = true;
-  uint64_t first = run.handle;
-  queue(std::move(run));
-  ++stats.graphRuns;
+  size_t count = node->node.outputs.size();
+  std::vector<std::pair<TraceNode *, uint32_t>> outputs;
+  for (uint32_t k = 0; k < count; ++k)
+    outputs.push_back({node.get(), k});
+  uint64_t first = queueRun(buildGraph({node.get()}, outputs), true, "data-dependent op");
   std::vector<std::vector<ir::TensorMeta>> metas = flush(true).metas;
   std::vector<std::pair<Value, ir::TensorMeta>> outs;
-  if (metas.empty() || metas.back().size() != n.outputs.size())
+  if (metas.empty() || metas.back().size() != count)
     lose("the server answered a data-dependent op with the wrong number of outputs");
   for (size_t k = 0; k < metas.back().size(); ++k) {
     const ir::TensorMeta &m = metas.back()[k];

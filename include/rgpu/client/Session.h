@@ -141,6 +141,19 @@ private:
   /// Cuts every live pending tensor into one graph and queues its run; returns where each
   /// pending value went.
   CutOutputs cut(const char *reason);
+  /// A raw graph over traced nodes, with what its Run needs besides the graph.
+  struct Traced {
+    ir::Graph graph;
+    std::vector<uint64_t> inputHandles;
+    std::vector<ir::ScalarValue> scalarValues;
+    std::vector<uint32_t> clientLocs; ///< Graph location index -> the client's location id.
+  };
+  /// Builds the graph of \p nodes (in trace order) producing \p outputs.
+  Traced buildGraph(llvm::ArrayRef<TraceNode *> nodes,
+                    llvm::ArrayRef<std::pair<TraceNode *, uint32_t>> outputs);
+  /// Canonicalises \p t and queues its Define (if the server lacks it) and its Run; returns the
+  /// first output handle.
+  uint64_t queueRun(Traced t, bool replyMetas, const char *reason);
   /// Records a graph that the server has not seen: cache file, recompile analysis, log.
   void noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph);
   void log(int level, const std::string &message);
