@@ -21,7 +21,9 @@ def _native(name):
 
 
 def opserver() -> None:
-    """``rgpu-opserver``: runs the native server shipped inside the package."""
+    """``rgpu-opserver``: runs the native server shipped inside the package. Its Inductor compiles
+    run in this Python, which can import rgpu and torch."""
+    os.environ.setdefault("RGPU_PYTHON", sys.executable)
     _native("rgpu-opserver")
 
 

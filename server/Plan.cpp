@@ -209,6 +209,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   step.firstOutput = firstOutput;
   step.numOutputs = n.outputs.size();
   step.restrideOperands = isLayoutSensitive(base);
+  random_ |= handle->hasTag(at::Tag::nondeterministic_seeded);
   step.seeded = handle->hasTag(at::Tag::nondeterministic_seeded) &&
                 std::none_of(schema.arguments().begin(), schema.arguments().end(),
                              [](const c10::Argument &a) {
@@ -347,16 +348,19 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   return "";
 }
 
+c10::Scalar toScalar(const ir::ScalarValue &v) {
+  switch (v.kind) {
+  case ir::ScalarValue::Kind::Int: return v.i;
+  case ir::ScalarValue::Kind::Double: return v.d;
+  case ir::ScalarValue::Kind::Bool: return bool(v.i);
+  case ir::ScalarValue::Kind::Complex: return c10::complex<double>(v.d, v.imag);
+  }
+  return {};
+}
+
 c10::IValue Plan::scalarValue(uint32_t slot, llvm::ArrayRef<ir::ScalarValue> scalars) const {
   const ir::ScalarSlot &s = graph_.scalars[slot];
-  const ir::ScalarValue &v = scalars[slot];
-  c10::Scalar value;
-  switch (v.kind) {
-  case ir::ScalarValue::Kind::Int: value = v.i; break;
-  case ir::ScalarValue::Kind::Double: value = v.d; break;
-  case ir::ScalarValue::Kind::Bool: value = bool(v.i); break;
-  case ir::ScalarValue::Kind::Complex: value = c10::complex<double>(v.d, v.imag); break;
-  }
+  c10::Scalar value = toScalar(scalars[slot]);
   if (s.form == ir::ScalarForm::Scalar)
     return value;
   at::Tensor t = at::scalar_tensor(value, at::TensorOptions().dtype(toScalarType(s.dtype)));

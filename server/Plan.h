@@ -59,6 +59,8 @@ public:
                const RunContext &ctx, std::vector<Entry> &outputs, bool exactLayout = true) const;
 
   const ir::Graph &graph() const { return graph_; }
+  /// True if some node draws random numbers (from the session's generator).
+  bool drawsRandom() const { return random_; }
   ir::Hash128 hash;
   uint64_t buildNs = 0; ///< Time spent verifying the graph and building this plan.
 
@@ -91,10 +93,14 @@ private:
   std::vector<uint32_t> producer_; ///< The node producing each value (0 for inputs).
   std::vector<Step> steps_;
   std::vector<uint32_t> listItems_; // value ids or scalar slots; ~0u is None
+  bool random_ = false;
 };
 
 /// Makes \p t have exactly the layout \p meta describes, copying only if it does not already.
 at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta);
+
+/// The value of a lifted scalar.
+c10::Scalar toScalar(const ir::ScalarValue &v);
 
 /// ATen's ScalarType for a wire dtype number.
 inline at::ScalarType toScalarType(int8_t dtype) { return static_cast<at::ScalarType>(dtype); }

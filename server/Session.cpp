@@ -5,17 +5,12 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/headeronly/version.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <iostream>
 
 namespace rgpu::server {
-
-void log(const std::string &message) {
-  static std::mutex mu;
-  std::lock_guard<std::mutex> lock(mu);
-  std::cerr << "rgpu-opserver: " << message << std::endl;
-}
 
 std::string torchVersion() {
   return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
@@ -184,7 +179,7 @@ FrameOutcome Session::handle(const net::Frame &frame) {
       h.setProtocol(wire::kProtocolVersion);
       h.setTorchVersion(torchVersion());
       h.setDevice(ctx_.device().str());
-      h.setCompiler("plan");
+      h.setCompiler(ctx_.compiler() ? "inductor" : "plan");
       break;
     }
     case wire::Result::DATA: rs[i].setData(item.data); break;
@@ -212,6 +207,12 @@ FrameOutcome Session::handle(const net::Frame &frame) {
     e.setNode(pending_->node);
     pending_.reset();
   }
+  if (!notes_.empty()) {
+    auto notes = sf.initNotes(notes_.size());
+    for (size_t i = 0; i < notes_.size(); ++i)
+      notes.set(i, notes_[i]);
+    notes_.clear();
+  }
   outcome.reply = net::encodeFrame(reply, frame.bytes < (1u << 16) && results.size() <= 4 &&
                                               (results.empty() || results[0].data.size() < 4096));
   return outcome;
@@ -225,6 +226,17 @@ void Session::stats(wire::ServerStats::Builder out) {
   out.setSessionGraphRuns(runs_);
   out.setSessionExecuteNs(executeNs_);
   out.setSessionTensors(tensors_.size());
+  out.setCompiledRuns(ctx_.compiledRuns);
+  out.setSessionCompiledRuns(compiledRuns_);
+  if (Compiler *c = ctx_.compiler()) {
+    out.setCompiler("inductor");
+    out.setInductorCompiles(c->compiles);
+    out.setCompilesPending(c->pending);
+    out.setCompileFailures(c->failures);
+    out.setDiskCacheHits(c->diskHits);
+  } else {
+    out.setCompiler("plan");
+  }
   auto graphs = out.initGraphs(used_.size());
   size_t i = 0;
   for (const auto &[hash, use] : used_) {
@@ -234,6 +246,8 @@ void Session::stats(wire::ServerStats::Builder out) {
     g.setRuns(use.runs);
     g.setExecuteNs(use.executeNs);
     g.setBuildNs(use.plan->buildNs);
+    g.setExecutor(ctx_.compiler() ? ctx_.compiler()->executorOf(hash) : "plan");
+    g.setCompiledRuns(use.compiledRuns);
   }
 }
 
@@ -316,14 +330,43 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     scalars.push_back(wire::decodeScalar(s));
   std::vector<Entry> outputs;
   ++ctx_.graphRuns;
-  auto start = std::chrono::steady_clock::now();
-  if (ErrorPtr e = plan->run(inputs, scalars, {ctx_.device(), generator_}, outputs,
-                             !r.getReplyMetas()))
-    fail(e);
-  uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                    std::chrono::steady_clock::now() - start).count();
   GraphUse &use = used_[hash];
   use.plan = plan;
+  // Compiled code runs only when every input holds a value (the plan propagates errors node by
+  // node) and the output layouts are known (not the data-dependent path).
+  std::shared_ptr<const CompiledGraph> compiled;
+  bool queued = false;
+  if (ctx_.compiler() && !r.getReplyMetas() &&
+      std::none_of(inputs.begin(), inputs.end(), [](const Entry &e) { return bool(e.error); }))
+    compiled = ctx_.compiler()->lookup(plan, scalars, queued);
+  std::string name = "graph " + hash.hex().substr(0, 12);
+  if (queued)
+    notes_.push_back(name + " (" + std::to_string(g.nodes.size()) +
+                     " nodes) is compiling with Inductor on the server; until it is ready it "
+                     "runs on the plan executor");
+  auto start = std::chrono::steady_clock::now();
+  bool ran = false;
+  if (compiled) {
+    try {
+      compiled->run(*plan, inputs, scalars, outputs);
+      ran = true;
+      ++ctx_.compiledRuns;
+      ++compiledRuns_;
+      if (use.compiledRuns++ == 0)
+        notes_.push_back(name + " now runs Inductor-compiled code");
+    } catch (const std::exception &e) {
+      // Rerun on the plan, which names the failing op and the user's line.
+      const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
+      log(peer_ + ": " + name + ": compiled run failed (" +
+          (ce ? ce->what_without_backtrace() : e.what()) + "); running it on the plan executor");
+    }
+  }
+  if (!ran)
+    if (ErrorPtr e = plan->run(inputs, scalars, {ctx_.device(), generator_}, outputs,
+                               !r.getReplyMetas()))
+      fail(e);
+  uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now() - start).count();
   ++use.runs;
   use.executeNs += ns;
   ++runs_;

@@ -7,6 +7,8 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "Compiler.h"
+#include "Log.h"
 #include "Plan.h"
 
 #include "rgpu/net/Frame.h"
@@ -20,25 +22,29 @@
 
 namespace rgpu::server {
 
-/// State shared by every session of one server: the device and the graph cache.
+/// State shared by every session of one server: the device, the graph cache and the compiler.
 class Context {
 public:
-  Context(at::Device device, wire::Limits limits) : device_(device), limits_(limits) {}
+  /// \p compiler is null for --compiler plan.
+  Context(at::Device device, wire::Limits limits, std::unique_ptr<Compiler> compiler = nullptr)
+      : device_(device), limits_(limits), compiler_(std::move(compiler)) {}
 
   at::Device device() const { return device_; }
   const wire::Limits &limits() const { return limits_; }
+  Compiler *compiler() const { return compiler_.get(); }
 
   /// The plan for \p hash, or null if no session has defined it.
   std::shared_ptr<const Plan> find(const ir::Hash128 &hash);
   /// Verifies and caches \p graph under \p hash (which must be the graph's own hash).
   std::shared_ptr<const Plan> define(const ir::Hash128 &hash, ir::Graph graph, std::string &error);
 
-  std::atomic<uint64_t> planBuilds{0}, graphRuns{0}, sessions{0};
+  std::atomic<uint64_t> planBuilds{0}, graphRuns{0}, compiledRuns{0}, sessions{0};
   size_t graphsCached();
 
 private:
   at::Device device_;
   wire::Limits limits_;
+  std::unique_ptr<Compiler> compiler_;
   std::mutex mu_;
   std::map<ir::Hash128, std::shared_ptr<const Plan>> plans_;
 };
@@ -78,15 +84,13 @@ private:
   std::map<ir::Hash128, ErrorPtr> refused_; ///< Graphs this session defined that failed checks.
   struct GraphUse {
     std::shared_ptr<const Plan> plan;
-    uint64_t runs = 0, executeNs = 0;
+    uint64_t runs = 0, executeNs = 0, compiledRuns = 0;
   };
   std::map<ir::Hash128, GraphUse> used_; ///< What rgpu.server_stats() reports for this session.
-  uint64_t runs_ = 0, executeNs_ = 0;
+  uint64_t runs_ = 0, executeNs_ = 0, compiledRuns_ = 0;
+  std::vector<std::string> notes_; ///< For the client's log, sent with the next reply.
   void stats(wire::ServerStats::Builder out);
   ErrorPtr pending_; ///< The first error not yet reported to the client.
 };
-
-/// Formats a log line with the server's prefix on stderr.
-void log(const std::string &message);
 
 } // namespace rgpu::server

@@ -35,12 +35,26 @@ options:
                          printed in the "listening on" line)
   --bind ADDR            address to bind (default 127.0.0.1: reach it through an ssh
                          tunnel, e.g. with rgpu-run; bind 0.0.0.0 only on a trusted network)
-  --compiler plan        how graphs are executed: plan runs libtorch kernels through a
-                         plan of resolved operator handles
+  --compiler inductor|plan
+                         how graphs are executed. plan runs libtorch kernels through a
+                         plan of resolved operator handles. inductor (the default when
+                         started through the rgpu-opserver command) does the same, and
+                         compiles each graph that has run --compile-after times with
+                         TorchInductor in the background; later runs use the fused,
+                         compiled code. No step ever waits for a compile.
+  --cache-dir DIR        where compiled graphs persist, so that a restarted server
+                         compiles nothing twice (default: $XDG_CACHE_HOME/rgpu/server,
+                         else ~/.cache/rgpu/server)
+  --compile-after N      compile a graph on its Nth run (default 2: graphs that run once,
+                         such as initialization, are not worth compiling)
+  --compile-jobs N       compiles running at once, each a separate process (default 1)
+  --compile-mode MODE    default | max-autotune | reduce-overhead (compiled like
+                         default; CUDA graphs are not used yet)
   --max-frame-mib N      largest frame accepted from a client, in MiB (default 1024)
   -h, --help             show this help
 
-Logs go to stderr, prefixed with "rgpu-opserver:".
+Logs go to stderr, prefixed with "rgpu-opserver:". The inductor compiler runs
+`$RGPU_PYTHON -m rgpu.inductor_worker`; the rgpu-opserver command sets RGPU_PYTHON.
 )";
 
 struct Server;
@@ -225,8 +239,18 @@ void onWake(uv_async_t *handle) {
 
 void onSignal(uv_signal_t *handle, int signum) {
   log(std::string("received ") + (signum == SIGINT ? "SIGINT" : "SIGTERM") + ", shutting down");
-  // Sessions hold only in-memory state; nothing needs flushing.
+  // Sessions hold only in-memory state. Compiles in flight are killed and their temporary files
+  // removed, so the cache holds only whole artifacts.
+  if (Compiler *c = static_cast<Server *>(handle->data)->ctx->compiler())
+    c->shutdown();
   std::_Exit(0);
+}
+
+std::string defaultCacheDir() {
+  if (const char *xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg)
+    return std::string(xdg) + "/rgpu/server";
+  const char *home = std::getenv("HOME");
+  return std::string(home && *home ? home : ".") + "/.cache/rgpu/server";
 }
 
 int fail(const std::string &message) {
@@ -237,7 +261,9 @@ int fail(const std::string &message) {
 } // namespace
 
 int main(int argc, char **argv) {
-  std::string device, bind = "127.0.0.1", compiler = "plan";
+  std::string device, bind = "127.0.0.1", compiler;
+  CompilerOptions compile;
+  const char *python = std::getenv("RGPU_PYTHON");
   int port = 9720;
   wire::Limits limits;
   for (int i = 1; i < argc; ++i) {
@@ -261,6 +287,19 @@ int main(int argc, char **argv) {
         bind = value();
       } else if (a == "--compiler") {
         compiler = value();
+      } else if (a == "--cache-dir") {
+        compile.cacheDir = value();
+      } else if (a == "--compile-after") {
+        compile.after = std::max(1, std::stoi(value()));
+      } else if (a == "--compile-jobs") {
+        compile.jobs = std::max(1, std::stoi(value()));
+      } else if (a == "--compile-mode") {
+        compile.mode = value();
+        if (compile.mode == "default")
+          compile.mode.clear();
+        else if (compile.mode != "max-autotune" && compile.mode != "reduce-overhead")
+          return fail("unknown --compile-mode '" + compile.mode +
+                      "': use default, max-autotune or reduce-overhead");
       } else if (a == "--max-frame-mib") {
         limits.maxFrameBytes = std::stoull(value()) << 20;
       } else {
@@ -270,8 +309,16 @@ int main(int argc, char **argv) {
       return fail("option " + a + " needs a number");
     }
   }
-  if (compiler != "plan")
-    return fail("unknown compiler '" + compiler + "': this server supports --compiler plan");
+  if (compiler.empty()) {
+    compiler = python && *python ? "inductor" : "plan";
+  } else if (compiler != "plan" && compiler != "inductor") {
+    return fail("unknown compiler '" + compiler + "': use --compiler inductor or --compiler plan");
+  } else if (compiler == "inductor" && !(python && *python)) {
+    return fail("--compiler inductor needs RGPU_PYTHON, a Python with rgpu and torch; start "
+                "the server with the rgpu-opserver command, which sets it");
+  }
+  if (compile.cacheDir.empty())
+    compile.cacheDir = defaultCacheDir();
   bool cuda = at::globalContext().hasCUDA();
   if (device.empty())
     device = cuda ? "cuda" : "cpu";
@@ -281,7 +328,13 @@ int main(int argc, char **argv) {
     return fail("--device cuda: no usable CUDA device on this machine (use --device cpu)");
 
   Server server;
-  server.ctx = std::make_unique<Context>(at::Device(device == "cuda" ? at::kCUDA : at::kCPU, device == "cuda" ? 0 : -1), limits);
+  at::Device dev(device == "cuda" ? at::kCUDA : at::kCPU, device == "cuda" ? 0 : -1);
+  std::unique_ptr<Compiler> inductor;
+  if (compiler == "inductor") {
+    compile.python = python;
+    inductor = std::make_unique<Compiler>(compile, dev);
+  }
+  server.ctx = std::make_unique<Context>(dev, limits, std::move(inductor));
   server.loop = uv_default_loop();
   uv_tcp_init(server.loop, &server.listener);
   server.listener.data = &server;
@@ -302,8 +355,10 @@ int main(int argc, char **argv) {
   uv_signal_init(server.loop, &server.sigint);
   uv_signal_start(&server.sigint, onSignal, SIGINT);
   uv_signal_init(server.loop, &server.sigterm);
+  server.sigint.data = server.sigterm.data = &server;
   uv_signal_start(&server.sigterm, onSignal, SIGTERM);
   log("listening on " + bind + ":" + std::to_string(bound) + ", device " +
-      server.ctx->device().str() + ", compiler " + compiler);
+      server.ctx->device().str() + ", compiler " + compiler +
+      (compiler == "inductor" ? ", cache " + compile.cacheDir : ""));
   return uv_run(server.loop, UV_RUN_DEFAULT);
 }

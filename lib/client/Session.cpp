@@ -19,6 +19,8 @@ LocationProvider gLocation = nullptr;
 
 /// Frames below this size are packed; larger ones carry tensor bytes, which do not pack.
 constexpr uint64_t kPackBelow = 64 << 10;
+/// A wait this long is logged at INFO, with what the server said it was doing.
+constexpr uint64_t kSlowWaitNs = 1'000'000'000;
 /// Uploads up to this size wait for the next frame; larger ones are sent at once.
 constexpr uint64_t kSmallUpload = 64 << 10;
 /// A trace that never syncs is cut (without waiting) after this many nodes.
@@ -613,7 +615,13 @@ Session::Reply Session::flush(bool wantReply) {
     graphs_[h].waitNs += waited;
     ++graphs_[h].waitedRuns;
   }
-  log(10, "wait at " + locationText(site_) + ": " + std::to_string(waited / 1000) + " us");
+  if (waited >= kSlowWaitNs) {
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%.1f", waited / 1e9);
+    log(20, std::string("rgpu: waited ") + secs + " s for rgpu-opserver at " +
+                locationText(site_));
+  } else
+    log(10, "wait at " + locationText(site_) + ": " + std::to_string(waited / 1000) + " us");
   switch (status) {
   case net::Socket::Status::Ok: break;
   case net::Socket::Status::Closed:
@@ -664,15 +672,25 @@ Session::Reply Session::flush(bool wantReply) {
         out.sessionGraphRuns = st.getSessionGraphRuns();
         out.sessionExecuteNs = st.getSessionExecuteNs();
         out.sessionTensors = st.getSessionTensors();
+        out.compiler = st.getCompiler();
+        out.inductorCompiles = st.getInductorCompiles();
+        out.compilesPending = st.getCompilesPending();
+        out.compileFailures = st.getCompileFailures();
+        out.diskCacheHits = st.getDiskCacheHits();
+        out.compiledRuns = st.getCompiledRuns();
+        out.sessionCompiledRuns = st.getSessionCompiledRuns();
         for (auto g : st.getGraphs())
           out.graphs.push_back({wire::decodeHash(g.getHash()), g.getNodes(), g.getRuns(),
-                                g.getExecuteNs(), g.getBuildNs()});
+                                g.getExecuteNs(), g.getBuildNs(), g.getExecutor(),
+                                g.getCompiledRuns()});
         results.stats.push_back(std::move(out));
         break;
       }
       default: break;
       }
     }
+    for (auto note : sf.getNotes())
+      log(20, "rgpu-opserver: " + std::string(note.cStr()));
     if (sf.hasError()) {
       error = describe(sf.getError());
       fatal = sf.getError().getKind() != wire::Error::Kind::REMOTE;

@@ -163,6 +163,8 @@ struct GraphStats {
   runs @2 :UInt64;       # by this session
   executeNs @3 :UInt64;  # by this session
   buildNs @4 :UInt64;    # verifying it and building its plan
+  executor @5 :Text;     # "plan", "inductor", "plan (inductor compiling)", ...
+  compiledRuns @6 :UInt64;  # of this session's runs, those that ran compiled code
 }
 
 struct ServerStats {
@@ -174,12 +176,20 @@ struct ServerStats {
   sessionExecuteNs @5 :UInt64;
   sessionTensors @6 :UInt64;
   graphs @7 :List(GraphStats);   # the graphs this session ran
+  compiler @8 :Text;             # the server's --compiler
+  inductorCompiles @9 :UInt64;   # finished compiles
+  compilesPending @10 :UInt64;   # queued or running
+  compileFailures @11 :UInt64;
+  diskCacheHits @12 :UInt64;     # packages loaded from --cache-dir instead of compiled
+  compiledRuns @13 :UInt64;      # runs of compiled code, all sessions
+  sessionCompiledRuns @14 :UInt64;
 }
 
 struct ServerFrame {
   ackSeq @0 :UInt64;
   results @1 :List(Result);    # one per Hello, Download, Sync and replyMetas Run, in order
   error @2 :Error;             # the first error since the last reply; absent if none
+  notes @3 :List(Text);        # what the server wants the user to know (compiles); logged
 }
 
 # A graph as kept in a graph cache directory (RGPU_CACHE_DIR on the client), one file per hash,

@@ -84,10 +84,15 @@ public:
   struct ServerStats {
     uint64_t planBuilds = 0, graphsCached = 0, graphRuns = 0, sessions = 0;
     uint64_t sessionGraphRuns = 0, sessionExecuteNs = 0, sessionTensors = 0;
+    std::string compiler;
+    uint64_t inductorCompiles = 0, compilesPending = 0, compileFailures = 0, diskCacheHits = 0;
+    uint64_t compiledRuns = 0, sessionCompiledRuns = 0;
     struct Graph {
       ir::Hash128 hash;
       uint32_t nodes = 0;
       uint64_t runs = 0, executeNs = 0, buildNs = 0;
+      std::string executor;
+      uint64_t compiledRuns = 0;
     };
     std::vector<Graph> graphs;
   };

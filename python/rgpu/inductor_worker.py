@@ -1,0 +1,311 @@
+"""Compiles one rgpu graph with TorchInductor, ahead of time; run by rgpu-opserver.
+
+    python -m rgpu.inductor_worker --graph G.rgraph --out K.pt2 --device cpu [--mode M]
+
+The server starts one of these per graph it decides to compile, in the background, while the
+graph keeps running on the plan executor. The worker rebuilds the graph as a Python function
+of aten ops, exports it (static shapes; scalars become 0-dim tensor inputs read with `.item()`,
+so a changing learning rate never recompiles) and compiles it with AOTInductor into a package
+that the server loads and runs from C++, without Python. The package is written under a
+temporary name and renamed, so the cache never holds half an artifact.
+
+Exit status 0 on success; otherwise 1, with the reason as the last line of stderr.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+# Each compile is its own process; one compile should not fan out over every core while the
+# server is training on them.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+
+# c10::ScalarType numbers, which is how graphs name dtypes.
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.float32, torch.float64, torch.complex32, torch.complex64, torch.complex128,
+          torch.bool, torch.qint8, torch.quint8, torch.qint32, torch.bfloat16]
+LAYOUTS = [torch.strided, torch.sparse_coo]
+MEMORY_FORMATS = [torch.contiguous_format, torch.preserve_format, torch.channels_last,
+                  torch.channels_last_3d]
+SCALAR_FORM, WRAPPED_NUMBER, TENSOR_0D = 0, 1, 2
+
+
+class Unsupported(Exception):
+    """The graph holds something this compiler does not take; it stays on the plan executor."""
+
+
+def resolve(name, views=False):
+    """The OpOverload for "aten::add.Tensor". With views=True, a `*_copy` op resolves to its view
+    op: the graph is functional, so nothing can write through the alias, and Inductor indexes
+    views instead of materializing them."""
+    ns, _, rest = name.partition("::")
+    op, _, overload = rest.partition(".")
+    if ns != "aten":
+        raise Unsupported(f"{name} is not an aten op")
+    if views and op.endswith("_copy") and hasattr(torch.ops.aten, op[:-5]):
+        view = getattr(getattr(torch.ops.aten, op[:-5]), overload or "default", None)
+        if view is not None and view._schema.is_mutable is False and any(
+                r.alias_info is not None for r in view._schema.returns):
+            return view
+    return getattr(getattr(torch.ops.aten, op), overload or "default")
+
+
+def _type_kind(t):
+    """The schema type of an argument with Optional peeled off, as a short kind."""
+    while isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    text = str(t)
+    for kind in ("ScalarType", "Layout", "MemoryFormat", "Generator"):
+        if text == kind:
+            return kind
+    return "other"
+
+
+class Interpreter:
+    """Runs a graph's nodes with aten ops; traced by torch.export to get the FX graph."""
+
+    def __init__(self, graph, device, values, specialized):
+        self.graph = graph
+        self.device = torch.device(device)
+        self.values = values            # the scalar values of the run that asked for a compile
+        self.specialized = specialized  # slots compiled as constants, checked at run time
+        self.symbols = {}               # unbacked symbol name -> scalar slot
+        self.steps = []
+        for node in graph["nodes"]:
+            op = resolve(node["op"], views=True)
+            if torch.Tag.nondeterministic_seeded in op.tags:
+                raise Unsupported(f"{node['op']} draws random numbers from the session's generator")
+            self.steps.append((op, node))
+
+    def _arg(self, kind, value, type_kind, env, scalars):
+        if kind == "none":
+            return None
+        if kind == "bool":
+            return bool(value)
+        if kind == "int":
+            if type_kind == "ScalarType":
+                return DTYPES[value]
+            if type_kind == "Layout":
+                return LAYOUTS[value]
+            if type_kind == "MemoryFormat":
+                return MEMORY_FORMATS[value]
+            return value
+        if kind == "double" or kind == "str":
+            return value
+        if kind == "device":
+            return self.device
+        if kind == "tensor":
+            return env[value]
+        if kind == "scalar":
+            return scalars[value]
+        raise Unsupported(f"argument kind {kind}")
+
+    def call(self, op, node, env, scalars):
+        flat = node["args"]
+        pos, kw, at = [], {}, 0
+        for schema_arg in op._schema.arguments:
+            type_kind = _type_kind(schema_arg.type)
+            kind, value = flat[at]
+            at += 1
+            if kind == "list":
+                v = [self._arg(*flat[at + k], type_kind, env, scalars) for k in range(value)]
+                at += value
+            else:
+                v = self._arg(kind, value, type_kind, env, scalars)
+            if schema_arg.kwarg_only:
+                kw[schema_arg.name] = v
+            else:
+                pos.append(v)
+        if op._schema.name.startswith("aten::_foreach_") and any(
+                str(a.type) == "List[number]" for a in op._schema.arguments):
+            out = self.unrolled(op, pos, kw)
+        else:
+            out = op(*pos, **kw)
+        if isinstance(out, torch.Tensor) or out is None:
+            return [out]
+        flat_out = []
+        for o in out:
+            flat_out.extend(o if isinstance(o, (list, tuple)) else [o])
+        return flat_out
+
+    @staticmethod
+    def unrolled(op, pos, kw):
+        """A `_foreach_*` op with a list of symbolic scalars, as one op per tensor: Inductor has no
+        kernel for the list form and would call back into ATen for it."""
+        name = op._schema.name[len("aten::_foreach_"):]
+        single = getattr(torch.ops.aten, name)
+        count = len(pos[0])
+        out = []
+        for k in range(count):
+            args = [a[k] if isinstance(a, (list, tuple)) and len(a) == count else a for a in pos]
+            if name in ("addcmul", "addcdiv"):
+                out.append(single(*args[:3], value=args[3], **kw))
+            else:
+                out.append(single(*args, **kw))
+        return out
+
+    def __call__(self, *args):
+        g = self.graph
+        env = list(args[:len(g["inputs"])])
+        scalars = []
+        for slot, ((dtype, form), t) in enumerate(zip(g["scalars"], args[len(g["inputs"]):])):
+            # A Python number in a Scalar or wrapped-number position keeps its promotion rules
+            # as an unbacked symbolic number; a real 0-dim tensor stays a tensor.
+            if form == TENSOR_0D:
+                scalars.append(t)
+            elif slot in self.specialized:
+                scalars.append(self.values[slot])
+            else:
+                v = t.item()
+                self.symbols[str(v.node.expr)] = slot
+                scalars.append(v)
+        for op, node in self.steps:
+            outs = self.call(op, node, env, scalars)
+            if len(outs) != len(node["outputs"]):
+                raise Unsupported(f"{node['op']} returned {len(outs)} values, the graph has "
+                                  f"{len(node['outputs'])}")
+            env.extend(outs)
+        return tuple(env[o] for o in g["outputs"])
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, interpreter):
+        super().__init__()
+        self.interpreter = interpreter
+
+    def forward(self, *args):
+        return self.interpreter(*args)
+
+
+def example_inputs(graph, device):
+    """Tensors with the graph's input layouts, and one 0-dim tensor per scalar slot."""
+    out = []
+    for m in graph["inputs"]:
+        out.append(torch.empty_strided(m["sizes"], m["strides"], dtype=DTYPES[m["dtype"]],
+                                       device=device).zero_())
+    for dtype, _form in graph["scalars"]:
+        out.append(torch.zeros((), dtype=DTYPES[dtype], device="cpu"))
+    return tuple(out)
+
+
+# Scalar arguments that decompositions commonly branch on (`beta == 0`, `alpha == 1`); they are
+# compiled as constants from the start rather than discovered one failed export at a time.
+BRANCHY_ARGS = {"alpha", "beta"}
+MAX_EXPORTS = 16
+
+
+def branchy_slots(graph):
+    slots = set()
+    for node in graph["nodes"]:
+        op = resolve(node["op"])
+        at = 0
+        for schema_arg in op._schema.arguments:
+            kind, value = node["args"][at]
+            at += 1 + (value if kind == "list" else 0)
+            if kind == "scalar" and schema_arg.name in BRANCHY_ARGS:
+                slots.add(value)
+    return slots
+
+
+def export(graph, device, values):
+    """Exports the graph, making constants of the scalar slots that control flow depends on."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    inputs = example_inputs(graph, device)
+    specialized = branchy_slots(graph)
+    for _ in range(MAX_EXPORTS):
+        interpreter = Interpreter(graph, device, values, specialized)
+        try:
+            with torch.no_grad():
+                return torch.export.export(_Module(interpreter), inputs, strict=False), specialized
+        except GuardOnDataDependentSymNode as e:
+            slots = {interpreter.symbols.get(str(s)) for s in e.cond.free_symbols} - {None}
+            if not slots or slots <= specialized:
+                raise
+            specialized |= slots
+    raise Unsupported(f"more than {MAX_EXPORTS} exports to find the constant scalars")
+
+
+def read_scalars(path):
+    """The scalar values file written by the server: one `kind value` line per slot."""
+    values = []
+    with open(path) as f:
+        for line in f:
+            kind, *rest = line.split()
+            if kind == "i":
+                values.append(int(rest[0]))
+            elif kind == "b":
+                values.append(rest[0] == "1")
+            elif kind == "d":
+                values.append(float.fromhex(rest[0]))
+            else:
+                values.append(complex(float.fromhex(rest[0]), float.fromhex(rest[1])))
+    return values
+
+
+def compile_graph(graph, device, values, out_path, mode=None):
+    """Exports and AOT-compiles the graph. Writes the package to out_path and the slots compiled
+    as constants to out_path + ".spec" (`slot kind value` lines), both atomically, spec first."""
+    exported, specialized = export(graph, device, values)
+    options = {}
+    if mode == "max-autotune":
+        options["max_autotune"] = True
+    tmp = f"{out_path}.tmp{os.getpid()}.pt2"  # AOTInductor wants the suffix
+    spec_tmp = f"{out_path}.spec.tmp{os.getpid()}"
+    try:
+        torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
+                                                 inductor_configs=options)
+        with open(spec_tmp, "w") as f:
+            for slot in sorted(specialized):
+                v = values[slot]
+                if isinstance(v, bool):
+                    f.write(f"{slot} b {int(v)}\n")
+                elif isinstance(v, int):
+                    f.write(f"{slot} i {v}\n")
+                elif isinstance(v, float):
+                    f.write(f"{slot} d {v.hex()}\n")
+                else:
+                    f.write(f"{slot} c {v.real.hex()} {v.imag.hex()}\n")
+        os.replace(spec_tmp, out_path + ".spec")
+        os.replace(tmp, out_path)
+    finally:
+        for path in (tmp, spec_tmp):
+            if os.path.exists(path):
+                os.unlink(path)
+    return len(exported.graph.nodes), sorted(specialized)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m rgpu.inductor_worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--graph", required=True, help="the graph's .rgraph file")
+    parser.add_argument("--scalars", required=True,
+                        help="the scalar values of a run, one `kind value` line per slot")
+    parser.add_argument("--out", required=True, help="where to write the compiled .pt2 package")
+    parser.add_argument("--device", default="cpu", help="the server's device (cpu, cuda:0)")
+    parser.add_argument("--mode", default=None, help="compile mode (default, max-autotune)")
+    args = parser.parse_args(argv)
+    from rgpu import _C
+
+    start = time.time()
+    try:
+        graph = _C.read_graph(args.graph)
+        fx_nodes, specialized = compile_graph(graph, args.device, read_scalars(args.scalars),
+                                              args.out, args.mode)
+    except Exception as e:  # the server logs the last line and keeps the plan executor
+        import traceback
+        traceback.print_exc()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        sys.stderr.write(f"\n{type(e).__name__}: {first}\n")
+        return 1
+    sys.stderr.write(f"compiled {fx_nodes} FX nodes in {time.time() - start:.1f} s; "
+                     f"{len(specialized)} of {len(graph['scalars'])} scalars compiled as constants\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+#include "Compiler.h"
+#include "Log.h"
+
+#include "rgpu/wire/Cache.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/headeronly/version.h>
+
+#include <llvm/Support/xxhash.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char **environ;
+
+namespace rgpu::server {
+
+namespace fs = std::filesystem;
+
+namespace {
+/// Bumped whenever rgpu.inductor_worker changes what it builds from the same graph.
+constexpr const char *kWorkerFormat = "1";
+
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f s", s);
+  return buf;
+}
+
+/// The last non-empty line of a file: where the worker puts the reason it failed.
+std::string lastLine(const std::string &path) {
+  std::ifstream in(path);
+  std::string line, last;
+  while (std::getline(in, line))
+    if (line.find_first_not_of(" \t\r") != std::string::npos)
+      last = line;
+  return last;
+}
+
+void writeScalars(const std::string &path, llvm::ArrayRef<ir::ScalarValue> scalars) {
+  std::ofstream out(path);
+  char buf[64];
+  for (const ir::ScalarValue &v : scalars) {
+    switch (v.kind) {
+    case ir::ScalarValue::Kind::Int: out << "i " << v.i << "\n"; break;
+    case ir::ScalarValue::Kind::Bool: out << "b " << (v.i ? 1 : 0) << "\n"; break;
+    case ir::ScalarValue::Kind::Double:
+      std::snprintf(buf, sizeof buf, "%a", v.d);
+      out << "d " << buf << "\n";
+      break;
+    case ir::ScalarValue::Kind::Complex:
+      std::snprintf(buf, sizeof buf, "%a %a", v.d, v.imag);
+      out << "c " << buf << "\n";
+      break;
+    }
+  }
+}
+
+/// Parses the `slot kind value` lines the worker wrote next to the package.
+bool readSpec(const std::string &path, std::vector<std::pair<uint32_t, ir::ScalarValue>> &out) {
+  std::ifstream in(path);
+  if (!in)
+    return false;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    uint32_t slot;
+    std::string kind, a, b;
+    if (!(ls >> slot >> kind >> a))
+      return false;
+    ir::ScalarValue v;
+    if (kind == "i" || kind == "b") {
+      v.kind = kind == "i" ? ir::ScalarValue::Kind::Int : ir::ScalarValue::Kind::Bool;
+      v.i = std::stoll(a);
+    } else if (kind == "d") {
+      v.kind = ir::ScalarValue::Kind::Double;
+      v.d = std::strtod(a.c_str(), nullptr);
+    } else if (kind == "c" && (ls >> b)) {
+      v.kind = ir::ScalarValue::Kind::Complex;
+      v.d = std::strtod(a.c_str(), nullptr);
+      v.imag = std::strtod(b.c_str(), nullptr);
+    } else {
+      return false;
+    }
+    out.emplace_back(slot, v);
+  }
+  return true;
+}
+
+/// Removes temporary files (`NAME.tmpPID...`) whose writer is no longer running.
+void sweepTemporaries(const std::string &dir) {
+  std::error_code ec;
+  for (const auto &entry : fs::directory_iterator(dir, ec)) {
+    std::string name = entry.path().filename().string();
+    size_t at = name.find(".tmp");
+    if (at == std::string::npos)
+      continue;
+    int pid = std::atoi(name.c_str() + at + 4);
+    if (pid <= 0 || (kill(pid, 0) != 0 && errno == ESRCH))
+      fs::remove(entry.path(), ec);
+  }
+}
+} // namespace
+
+CompiledGraph::CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
+                             std::vector<std::pair<uint32_t, ir::ScalarValue>> constants)
+    : loader_(std::move(loader)), constants_(std::move(constants)) {}
+
+CompiledGraph::~CompiledGraph() = default;
+
+bool CompiledGraph::accepts(llvm::ArrayRef<ir::ScalarValue> scalars) const {
+  for (const auto &[slot, value] : constants_)
+    if (slot >= scalars.size() || !(scalars[slot] == value))
+      return false;
+  return true;
+}
+
+void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
+                        llvm::ArrayRef<ir::ScalarValue> scalars,
+                        std::vector<Entry> &outputs) const {
+  const ir::Graph &g = plan.graph();
+  c10::InferenceMode inference;
+  std::vector<at::Tensor> args;
+  args.reserve(inputs.size() + scalars.size());
+  for (const Entry &e : inputs)
+    args.push_back(e.tensor);
+  // Scalars are 0-dim CPU tensors, the form the worker exported them in.
+  for (size_t k = 0; k < scalars.size(); ++k)
+    args.push_back(at::scalar_tensor(toScalar(scalars[k]),
+                                     at::TensorOptions().dtype(toScalarType(g.scalars[k].dtype))));
+  std::vector<at::Tensor> results = loader_->run(args);
+  if (results.size() != g.outputs.size())
+    throw std::runtime_error("the compiled graph returned " + std::to_string(results.size()) +
+                             " outputs, the graph has " + std::to_string(g.outputs.size()));
+  std::vector<const ir::TensorMeta *> metas = g.valueMetas();
+  outputs.clear();
+  outputs.reserve(results.size());
+  for (size_t k = 0; k < results.size(); ++k) {
+    const ir::TensorMeta &m = *metas[g.outputs[k]];
+    if (m.dtype == ir::dtype::Undefined) {
+      outputs.push_back({});
+      continue;
+    }
+    const at::Tensor &t = results[k];
+    if (!t.defined() || t.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
+        t.scalar_type() != toScalarType(m.dtype))
+      throw std::runtime_error("the compiled graph's output " + std::to_string(k) +
+                               " does not match " + m.str());
+    outputs.push_back({restride(t, m), nullptr});
+  }
+}
+
+Compiler::Compiler(CompilerOptions options, at::Device device)
+    : options_(std::move(options)), device_(device) {
+  std::string key = std::string("torch ") + std::to_string(TORCH_VERSION_MAJOR) + "." +
+                    std::to_string(TORCH_VERSION_MINOR) + "." +
+                    std::to_string(TORCH_VERSION_PATCH) + "|" + device_.str() + "|" +
+                    options_.mode + "|" + kWorkerFormat;
+  key_ = hex64(llvm::xxHash64(llvm::StringRef(key)));
+  std::error_code ec;
+  fs::create_directories(options_.cacheDir + "/inductor", ec);
+  fs::create_directories(options_.cacheDir + "/graphs", ec);
+  sweepTemporaries(options_.cacheDir + "/inductor");
+  for (unsigned i = 0; i < std::max(1u, options_.jobs); ++i)
+    threads_.emplace_back([this] { work(); });
+}
+
+Compiler::~Compiler() { shutdown(); }
+
+void Compiler::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_)
+      return;
+    stopping_ = true;
+    for (int pid : children_)
+      kill(-pid, SIGKILL);
+  }
+  cv_.notify_all();
+  for (std::thread &t : threads_)
+    t.join();
+  sweepTemporaries(options_.cacheDir + "/inductor");
+}
+
+std::string Compiler::stem(const ir::Hash128 &hash) const {
+  return options_.cacheDir + "/inductor/" + hash.hex() + "-" + key_;
+}
+
+std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<const Plan> &plan,
+                                                      llvm::ArrayRef<ir::ScalarValue> scalars,
+                                                      bool &queued) {
+  queued = false;
+  std::lock_guard<std::mutex> lock(mu_);
+  GraphState &g = graphs_[plan->hash];
+  switch (g.state) {
+  case State::Ready: return g.compiled->accepts(scalars) ? g.compiled : nullptr;
+  case State::Counting:
+    // Random ops draw from the session's generator, which compiled code cannot reach.
+    if (plan->drawsRandom() || plan->graph().nodes.empty()) {
+      g.state = State::Skipped;
+      return nullptr;
+    }
+    // A graph compiled before (by this server or an earlier one) is loaded on its first run.
+    ++g.runs;
+    if (stopping_ || (g.runs < options_.after &&
+                      !(g.runs == 1 && fs::exists(stem(plan->hash) + ".pt2"))))
+      return nullptr;
+    g.state = State::Queued;
+    queue_.push_back({plan, std::vector<ir::ScalarValue>(scalars.begin(), scalars.end())});
+    ++pending;
+    queued = true;
+    cv_.notify_one();
+    return nullptr;
+  default: return nullptr;
+  }
+}
+
+std::string Compiler::executorOf(const ir::Hash128 &hash) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = graphs_.find(hash);
+  if (it == graphs_.end())
+    return "plan";
+  switch (it->second.state) {
+  case State::Ready: return "inductor";
+  case State::Queued: return "plan (inductor compiling)";
+  case State::Failed: return "plan (inductor failed)";
+  default: return "plan";
+  }
+}
+
+void Compiler::work() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (stopping_)
+        return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::string error;
+    std::shared_ptr<const CompiledGraph> compiled = build(job, error);
+    std::lock_guard<std::mutex> lock(mu_);
+    GraphState &g = graphs_[job.plan->hash];
+    g.compiled = compiled;
+    g.state = compiled ? State::Ready : State::Failed;
+    --pending;
+  }
+}
+
+std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string &error) {
+  const ir::Hash128 &hash = job.plan->hash;
+  std::string name = "graph " + hash.hex().substr(0, 12);
+  std::string base = stem(hash), package = base + ".pt2", failed = base + ".failed";
+  size_t nodes = job.plan->graph().nodes.size();
+  auto load = [&]() -> std::shared_ptr<const CompiledGraph> {
+    std::vector<std::pair<uint32_t, ir::ScalarValue>> constants;
+    if (!readSpec(package + ".spec", constants)) {
+      error = "its package has no readable .spec file";
+      return nullptr;
+    }
+    try {
+      auto loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+          package, "model", false, 1, device_.is_cuda() ? device_.index() : -1);
+      return std::make_shared<CompiledGraph>(std::move(loader), std::move(constants));
+    } catch (const std::exception &e) {
+      const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
+      error = std::string("loading its package failed: ") +
+              (ce ? ce->what_without_backtrace() : e.what());
+      return nullptr;
+    }
+  };
+
+  std::error_code ec;
+  if (fs::exists(package, ec)) {
+    if (auto compiled = load()) {
+      ++diskHits;
+      log(name + ": inductor package loaded from the cache (" + std::to_string(nodes) +
+          " nodes)");
+      return compiled;
+    }
+    log(name + ": " + error + "; compiling it again");
+    fs::remove(package, ec);
+  } else if (fs::exists(failed, ec)) {
+    error = "an earlier compile failed: " + lastLine(failed) + " (delete " + failed +
+            " to retry)";
+    log(name + ": stays on the plan executor; " + error);
+    return nullptr;
+  }
+
+  // The worker reads the graph from the graph cache and the triggering run's scalars.
+  if (std::string e = wire::writeCachedGraph(options_.cacheDir + "/graphs",
+                                             {hash, job.plan->graph(), 0, 0, ""});
+      !e.empty()) {
+    error = "cannot write the graph for the compiler: " + e;
+    log(name + ": " + error);
+    return nullptr;
+  }
+  std::string scalarsPath = base + ".scalars.tmp" + std::to_string(getpid());
+  writeScalars(scalarsPath, job.scalars);
+  std::vector<std::string> argv = {
+      options_.python, "-m", "rgpu.inductor_worker",
+      "--graph", wire::cacheFilePath(options_.cacheDir + "/graphs", hash),
+      "--scalars", scalarsPath, "--out", package, "--device", device_.str()};
+  if (!options_.mode.empty())
+    argv.insert(argv.end(), {"--mode", options_.mode});
+  log(name + ": compiling with inductor in the background (" + std::to_string(nodes) +
+      " nodes); it runs on the plan executor meanwhile");
+  auto start = std::chrono::steady_clock::now();
+  int status = spawnWorker(argv, base + ".log");
+  double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fs::remove(scalarsPath, ec);
+  if (status != 0) {
+    if (status == 1) {
+      // The worker said why: keep its log and remember the failure across restarts.
+      error = lastLine(base + ".log");
+      std::ofstream(failed) << error << "\n";
+      ++failures;
+      log(name + ": inductor compile failed after " + seconds(took) + ": " + error +
+          "; it stays on the plan executor (log: " + base + ".log)");
+    } else if (status == 127) {
+      error = "could not start the compile worker " + options_.python;
+      log(name + ": " + error);
+    } else {
+      error = "the compile worker stopped (status " + std::to_string(status) + ")";
+      log(name + ": " + error);
+    }
+    return nullptr;
+  }
+  fs::remove(base + ".log", ec);
+  std::shared_ptr<const CompiledGraph> compiled = load();
+  if (!compiled) {
+    log(name + ": " + error);
+    return nullptr;
+  }
+  ++compiles;
+  log(name + ": inductor compiled in " + seconds(took) + " (" + std::to_string(nodes) +
+      " nodes); later runs use it");
+  return compiled;
+}
+
+int Compiler::spawnWorker(const std::vector<std::string> &argv, const std::string &logPath) {
+  // Everything the child needs is prepared before fork: after it, only exec-safe calls.
+  std::vector<char *> args;
+  for (const std::string &a : argv)
+    args.push_back(const_cast<char *>(a.c_str()));
+  args.push_back(nullptr);
+  std::vector<std::string> envStrings;
+  for (char **e = environ; *e; ++e)
+    if (std::strncmp(*e, "TORCHINDUCTOR_CACHE_DIR=", 24) != 0)
+      envStrings.push_back(*e);
+  envStrings.push_back("TORCHINDUCTOR_CACHE_DIR=" + options_.cacheDir + "/torchinductor");
+  std::vector<char *> env;
+  for (std::string &e : envStrings)
+    env.push_back(e.data());
+  env.push_back(nullptr);
+
+  pid_t pid;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_)
+      return -1;
+    pid = fork();
+    if (pid == 0) {
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL); // a killed server takes its compiles with it
+      int out = open(logPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      int in = open("/dev/null", O_RDONLY);
+      if (out >= 0) {
+        dup2(out, 1);
+        dup2(out, 2);
+      }
+      if (in >= 0)
+        dup2(in, 0);
+      execve(args[0], args.data(), env.data());
+      _exit(127);
+    }
+    if (pid < 0)
+      return -1;
+    children_.insert(pid);
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  children_.erase(pid);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+} // namespace rgpu::server

@@ -1,0 +1,112 @@
+//===- server/Compiler.h - Inductor compiles in the background ---------------===//
+//
+// With --compiler inductor, a graph that has run often enough is compiled with AOTInductor in a
+// separate Python process (python -m rgpu.inductor_worker) while it keeps running on its plan;
+// later runs switch to the compiled package, which the server runs from C++ without Python.
+//
+// Compiled packages live in the cache directory, named by the graph hash and a key of everything
+// else that shapes the artifact (torch version, device, mode, worker format), so a restarted
+// server loads what it compiled before instead of compiling again, and never loads an artifact
+// built for another torch or device. Files appear only by rename; a compile cut short by a
+// shutdown leaves at most a temporary file, which is removed (or swept at the next start).
+//
+// Some scalars of a graph are compiled as constants (those that Inductor's decompositions branch
+// on, such as addmm's beta). The package records them; a run with other values for them simply
+// runs on the plan executor.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "Plan.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+namespace torch::inductor {
+class AOTIModelPackageLoader;
+}
+
+namespace rgpu::server {
+
+struct CompilerOptions {
+  std::string cacheDir; ///< Where graphs and packages persist.
+  std::string python;   ///< An interpreter that can import rgpu and torch.
+  std::string mode;     ///< "" (default), "max-autotune" or "reduce-overhead".
+  unsigned after = 2;   ///< Compile a graph once it has run this many times.
+  unsigned jobs = 1;    ///< Compiles running at once.
+};
+
+/// A graph compiled by AOTInductor, ready to run.
+class CompiledGraph {
+public:
+  CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
+                std::vector<std::pair<uint32_t, ir::ScalarValue>> constants);
+  ~CompiledGraph();
+
+  /// True if \p scalars agree with the values this package was specialized on.
+  bool accepts(llvm::ArrayRef<ir::ScalarValue> scalars) const;
+  /// Runs the package; outputs get the layouts \p plan's graph records. Throws on failure.
+  void run(const Plan &plan, const std::vector<Entry> &inputs,
+           llvm::ArrayRef<ir::ScalarValue> scalars, std::vector<Entry> &outputs) const;
+
+private:
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+  std::vector<std::pair<uint32_t, ir::ScalarValue>> constants_;
+};
+
+class Compiler {
+public:
+  Compiler(CompilerOptions options, at::Device device);
+  ~Compiler();
+
+  /// What the server should run \p plan with for this run's \p scalars: the compiled graph, or
+  /// null for the plan executor. Counts the run, and queues a compile when the graph gets hot.
+  /// Sets \p queued when this call queued it.
+  std::shared_ptr<const CompiledGraph> lookup(const std::shared_ptr<const Plan> &plan,
+                                              llvm::ArrayRef<ir::ScalarValue> scalars,
+                                              bool &queued);
+  /// "inductor", "inductor (compiling)", "inductor (failed)" or "plan" for one graph.
+  std::string executorOf(const ir::Hash128 &hash);
+
+  /// Stops: kills running compiles and removes their temporary files. Idempotent.
+  void shutdown();
+
+  std::atomic<uint64_t> compiles{0}, failures{0}, diskHits{0}, pending{0};
+
+private:
+  enum class State { Counting, Queued, Ready, Failed, Skipped };
+  struct GraphState {
+    State state = State::Counting;
+    uint32_t runs = 0;
+    std::shared_ptr<const CompiledGraph> compiled;
+  };
+  struct Job {
+    std::shared_ptr<const Plan> plan;
+    std::vector<ir::ScalarValue> scalars;
+  };
+
+  void work();
+  /// Loads the package for \p job from the cache, compiling it first if needed.
+  std::shared_ptr<const CompiledGraph> build(const Job &job, std::string &error);
+  /// Runs the worker process; returns its exit status (-1 if it could not start or was killed).
+  int spawnWorker(const std::vector<std::string> &argv, const std::string &logPath);
+  std::string stem(const ir::Hash128 &hash) const;
+
+  CompilerOptions options_;
+  at::Device device_;
+  std::string key_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  std::map<ir::Hash128, GraphState> graphs_;
+  std::set<int> children_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+} // namespace rgpu::server

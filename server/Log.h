@@ -1,0 +1,17 @@
+//===- server/Log.h - The server's log on stderr ------------------------------===//
+#pragma once
+
+#include <iostream>
+#include <mutex>
+#include <string>
+
+namespace rgpu::server {
+
+/// Writes one line, prefixed with "rgpu-opserver: ", to stderr; thread-safe.
+inline void log(const std::string &message) {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  std::cerr << "rgpu-opserver: " << message << std::endl;
+}
+
+} // namespace rgpu::server
