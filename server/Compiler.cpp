@@ -220,7 +220,7 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
     }
     // A graph compiled before (by this server or an earlier one) is loaded on its first run.
     ++g.runs;
-    if (stopping_ || (g.runs < options_.after &&
+    if (stopping_ || (g.runs < (g.after ? g.after : options_.after) &&
                       !(g.runs == 1 && fs::exists(stem(plan->hash) + ".pt2"))))
       return nullptr;
     g.state = State::Queued;
@@ -231,6 +231,17 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
     return nullptr;
   default: return nullptr;
   }
+}
+
+void Compiler::prefer(const ir::Hash128 &hash, const std::string &executor) {
+  std::lock_guard<std::mutex> lock(mu_);
+  GraphState &g = graphs_[hash];
+  if (g.state != State::Counting)
+    return;
+  if (executor == "plan")
+    g.state = State::Skipped;
+  else if (executor == "inductor")
+    g.after = 1;
 }
 
 std::string Compiler::executorOf(const ir::Hash128 &hash) {

@@ -70,6 +70,9 @@ public:
   std::shared_ptr<const CompiledGraph> lookup(const std::shared_ptr<const Plan> &plan,
                                               llvm::ArrayRef<ir::ScalarValue> scalars,
                                               bool &queued);
+  /// Follows a client's executor hint for a graph before its first run: "inductor" compiles it
+  /// on its first run, "plan" never.
+  void prefer(const ir::Hash128 &hash, const std::string &executor);
   /// "inductor", "inductor (compiling)", "inductor (failed)" or "plan" for one graph.
   std::string executorOf(const ir::Hash128 &hash);
 
@@ -83,6 +86,7 @@ private:
   struct GraphState {
     State state = State::Counting;
     uint32_t runs = 0;
+    unsigned after = 0; ///< 0: the server's --compile-after.
     std::shared_ptr<const CompiledGraph> compiled;
   };
   struct Job {

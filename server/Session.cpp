@@ -266,8 +266,11 @@ void Session::define(wire::Define::Reader r) {
     return;
   ir::Graph graph;
   std::string error = wire::decodeGraph(r.getGraph(), ctx_.limits(), graph);
-  if (error.empty() && ctx_.define(hash, std::move(graph), error))
+  if (error.empty() && ctx_.define(hash, std::move(graph), error)) {
+    if (ctx_.compiler() && r.hasExecutor() && r.getExecutor().size())
+      ctx_.compiler()->prefer(hash, r.getExecutor());
     return;
+  }
   log(peer_ + ": refused graph " + hash.hex().substr(0, 12) + ": " + error);
   auto e = sessionError("rgpu-opserver refused the graph: " + error);
   refused_[hash] = e;

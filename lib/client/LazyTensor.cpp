@@ -12,9 +12,12 @@ LazyTensorImpl::LazyTensorImpl(Value v, const ir::TensorMeta &meta)
                       c10::scalarTypeToTypeMeta(static_cast<c10::ScalarType>(meta.dtype)),
                       c10::Device(c10::DeviceType::PrivateUse1, 0)),
       value(std::move(v)) {
+  // A storage without data: it gives the tensor an identity and a size for tools that inspect
+  // storages (dynamo's fake tensors), while data_ptr() raises, as nothing is allocated here.
+  storage_ = c10::Storage(c10::Storage::use_byte_size_t(), meta.storageBytes(),
+                          c10::DataPtr(nullptr, device()), /*allocator=*/nullptr,
+                          /*resizable=*/false);
   set_sizes_and_strides(meta.sizes, meta.strides);
-  // There is no local storage to hand out: data_ptr() and friends raise instead of lying.
-  set_storage_access_should_throw();
   Session::get().track(this);
 }
 

@@ -57,6 +57,7 @@ struct Session::Command {
   ir::TensorMeta meta;
   at::Tensor data; ///< A private CPU copy of an upload's bytes.
   uint64_t offset = 0, length = 0;
+  std::string executor; ///< A Define's executor hint.
 };
 
 Session &Session::get() {
@@ -207,6 +208,7 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason) {
     def.kind = wire::Command::DEFINE;
     def.hash = c.hash;
     def.graph = std::make_shared<const ir::Graph>(std::move(c.graph));
+    def.executor = executorHint_;
     noteNewGraph(c.hash, def.graph);
     queue(std::move(def));
   }
@@ -334,19 +336,21 @@ void Session::flushGraphCache() {
   }
 }
 
-void Session::markStep(bool wait, const char *reason) {
+void Session::markStep(bool wait, const char *reason, const std::string &executor, bool send) {
   uint32_t site = currentLocation();
   std::lock_guard<std::recursive_mutex> lock(mu);
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
   site_ = site;
+  executorHint_ = executor;
   cut(reason);
+  executorHint_.clear();
   if (wait) {
     Command sync;
     sync.kind = wire::Command::SYNC;
     queue(std::move(sync));
     flush(true);
-  } else if (!queue_.empty()) {
+  } else if (send && !queue_.empty()) {
     flush(false);
   }
 }
@@ -544,6 +548,7 @@ Session::Reply Session::flush(bool wantReply) {
       auto d = cb.initDefine();
       wire::encodeHash(c.hash, d.initHash());
       wire::encodeGraph(*c.graph, d.initGraph());
+      d.setExecutor(c.executor);
       break;
     }
     case wire::Command::RUN: {

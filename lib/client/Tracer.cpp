@@ -519,7 +519,24 @@ void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack) 
   }
 }
 
+/// True for a call whose tensors are meta tensors carrying rgpu's dispatch keys: fake tensors
+/// (dynamo, torch.compile) that describe rgpu tensors. They compute metadata only.
+bool isFakeCall(const c10::OperatorHandle &op, const torch::jit::Stack &stack) {
+  bool meta = false;
+  for (const c10::IValue &v : torch::jit::last(stack, op.schema().arguments().size())) {
+    if (!v.isTensor())
+      continue;
+    const at::Tensor &t = v.toTensor();
+    if (lazyImpl(t))
+      return false;
+    meta |= t.defined() && t.is_meta();
+  }
+  return meta;
+}
+
 void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+  if (isFakeCall(op, *stack))
+    return op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
   Session &session = Session::get();
   // The user's line is found before taking the session lock: finding it takes the GIL.
   uint32_t location = session.currentLocation();

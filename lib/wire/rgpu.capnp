@@ -82,6 +82,7 @@ struct Hello {
 struct Define {
   hash @0 :Hash;
   graph @1 :Graph;
+  executor @2 :Text;      # "" (the server decides), "inductor" (compile now) or "plan"
 }
 
 struct Run {

@@ -18,6 +18,8 @@ import torch
 __all__ = [
     "RemoteError",
     "SessionLost",
+    "UnsupportedOpError",
+    "compile_backend",
     "mark_step",
     "metrics_report",
     "server_stats",
@@ -35,6 +37,20 @@ class RemoteError(RuntimeError):
 
 class SessionLost(RuntimeError):
     """The connection to rgpu-opserver is gone, and with it every rgpu tensor."""
+
+
+class UnsupportedOpError(RuntimeError):
+    """torch.compile(backend="rgpu") met an op that rgpu-opserver cannot run (not an aten op)."""
+
+
+def compile_backend(mode=None, compiler="inductor"):
+    """A torch.compile backend: ``torch.compile(model, backend=rgpu.compile_backend())``.
+
+    ``backend="rgpu"`` is the same with the defaults. See rgpu.backend.
+    """
+    from .backend import compile_backend as make
+
+    return make(mode=mode, compiler=compiler)
 
 
 torch.utils.rename_privateuse1_backend("rgpu")

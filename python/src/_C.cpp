@@ -144,8 +144,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("server", []() { return Session::get().server(); });
   m.def(
       "mark_step",
-      [](bool wait, std::string reason) { Session::get().markStep(wait, reason.c_str()); },
-      py::arg("wait") = false, py::arg("reason") = "mark_step",
+      [](bool wait, std::string reason, std::string executor, bool send) {
+        Session::get().markStep(wait, reason.c_str(), executor, send);
+      },
+      py::arg("wait") = false, py::arg("reason") = "mark_step", py::arg("executor") = "",
+      py::arg("send") = true,
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "synchronize", []() { Session::get().synchronize(); },

@@ -27,6 +27,10 @@ class Server:
     """A running rgpu-opserver; `address` is host:port."""
 
     def __init__(self, *args):
+        # Tests pick the plan executor unless they test compiling: background Inductor compiles
+        # would compete for this machine's cores with every other test.
+        if "--compiler" not in args:
+            args = ("--compiler", "plan", *args)
         self.proc = subprocess.Popen(
             [opserver_path(), "--device", "cpu", "--port", "0", *args],
             stderr=subprocess.PIPE,

@@ -68,7 +68,11 @@ public:
 
   /// Cuts every live pending tensor into one graph and queues its run. With \p wait, blocks
   /// until the server has executed it (and raises any pending error). \p reason is logged.
-  void markStep(bool wait, const char *reason = "mark_step");
+  /// \p executor, if not empty, is sent with the Define of a graph the server has not seen:
+  /// "inductor" asks it to compile the graph right away, "plan" never to compile it. Without
+  /// \p send (and \p wait), the run stays queued until the next message goes out.
+  void markStep(bool wait, const char *reason = "mark_step", const std::string &executor = "",
+                bool send = true);
   /// Cuts if the trace has grown past the node cap (no wait).
   void maybeCutAtCap();
 
@@ -200,6 +204,7 @@ private:
   uint32_t site_ = 0; ///< The user's line whose sync is being served.
   std::vector<ir::Hash128> runsInFrame_;
   LogSink logSink_ = nullptr;
+  std::string executorHint_; ///< For the Defines of the cut in progress.
   bool logDebug_ = false;
   uint64_t recompileWarnAfter_ = 5;
   std::vector<std::string> locations_{std::string()};

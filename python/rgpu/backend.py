@@ -1,0 +1,119 @@
+"""``torch.compile(model, backend="rgpu")``: dynamo's graphs, run on rgpu-opserver.
+
+Dynamo captures the Python program; aot_autograd splits it into a forward and a backward graph
+of aten ops. Each of those runs on rgpu tensors as one region: the region's ops are traced like
+any other rgpu ops and cut into exactly one rgpu graph at its end, which travels, is cached and
+is compiled on the server like a lazy graph (once per shape; the server compiles it with
+Inductor at its first run). Whatever the user traced before the region (an optimizer step, say)
+is cut into its own graph first, so a region's graph is the same every step.
+
+Every op of a captured graph must be an aten op: the server runs nothing else. A custom op
+(``torch.library.custom_op``) raises ``rgpu.UnsupportedOpError`` at compile time, naming it,
+rather than failing later on the server.
+"""
+
+import torch
+
+from . import UnsupportedOpError, _C
+
+_ALLOWED_NAMESPACES = {"aten"}
+
+
+class _TorchSeeingRgpuAsDense:
+    """`torch`, as torch._subclasses.meta_utils sees it, with rgpu tensors not functional.
+
+    Every rgpu tensor is a functionalization wrapper around the lazy tensor (that is how views
+    and in-place ops become a functional graph). Dynamo's fake-tensor conversion treats such
+    wrappers as functorch's own and rebuilds autograd metadata that turns leaf parameters into
+    non-leaves; it exempts XLA and torch._lazy tensors, which are built the same way, by device
+    type. This view of `torch` gives rgpu tensors the same exemption, in that module only.
+    """
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _is_functional_tensor(self, t):
+        return t.device.type != "rgpu" and self._real._is_functional_tensor(t)
+
+
+def _exempt_rgpu_from_functional_fakification():
+    from torch._subclasses import meta_utils
+
+    if not isinstance(meta_utils.torch, _TorchSeeingRgpuAsDense):
+        meta_utils.torch = _TorchSeeingRgpuAsDense(torch)
+
+
+_exempt_rgpu_from_functional_fakification()
+
+
+def _where(node):
+    trace = node.meta.get("stack_trace") or ""
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File")]
+    return f" (at {lines[-1]})" if lines else ""
+
+
+def check_ops(gm, stage):
+    """Raises UnsupportedOpError for the first op in \\p gm that is not an aten op."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            raise UnsupportedOpError(
+                f"torch.compile(backend='rgpu'): the {stage} graph uses {target.name()}, a "
+                f"higher-order op that rgpu-opserver cannot run{_where(node)}")
+        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            ns = target.namespace
+            if ns not in _ALLOWED_NAMESPACES:
+                name = target.name() if isinstance(target, torch._ops.OpOverload) else \
+                    f"{ns}::{target.__name__}"
+                raise UnsupportedOpError(
+                    f"torch.compile(backend='rgpu'): the {stage} graph calls {name}, which is "
+                    f"not an aten op; rgpu-opserver runs aten ops only. Call it outside the "
+                    f"compiled function, or write it with aten ops{_where(node)}")
+
+
+def _region(gm, stage, executor):
+    check_ops(gm, stage)
+
+    def run(*args):
+        # The region's graph is cut on its own, queued, and sent with the next message.
+        _C.mark_step(False, f"before a torch.compile {stage} graph", send=False)
+        out = gm(*args)
+        _C.mark_step(False, f"torch.compile {stage} graph", executor, send=False)
+        return out
+
+    from functorch.compile import make_boxed_func
+
+    return make_boxed_func(run)
+
+
+def compile_backend(mode=None, compiler="inductor"):
+    """A torch.compile backend for rgpu tensors.
+
+    ``compiler="inductor"`` asks the server to compile each graph with Inductor at its first
+    run (it runs on the plan executor until the compile is done); ``"plan"`` keeps it on the
+    plan executor. ``mode`` is accepted for torch.compile's modes; the server's compile mode is
+    its own ``--compile-mode``.
+    """
+    if compiler not in ("inductor", "plan"):
+        raise ValueError(f"compiler must be 'inductor' or 'plan', not {compiler!r}")
+    from torch._dynamo.backends.common import aot_autograd
+
+    def backend(gm, example_inputs):
+        check_ops(gm, "captured")
+        return aot_autograd(
+            fw_compiler=lambda g, _: _region(g, "forward", compiler),
+            bw_compiler=lambda g, _: _region(g, "backward", compiler),
+            inference_compiler=lambda g, _: _region(g, "inference", compiler),
+        )(gm, example_inputs)
+
+    return backend
+
+
+def dynamo_backend(gm, example_inputs, mode=None, options=None):
+    """The backend that ``backend="rgpu"`` names (an entry point): compile_backend(mode)."""
+    return compile_backend(mode=mode)(gm, example_inputs)
