@@ -209,7 +209,7 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason) {
     def.hash = c.hash;
     def.graph = std::make_shared<const ir::Graph>(std::move(c.graph));
     def.executor = executorHint_;
-    noteNewGraph(c.hash, def.graph);
+    noteNewGraph(c.hash, def.graph, reason);
     queue(std::move(def));
   }
   ++graphs_[c.hash].runs;
@@ -280,12 +280,14 @@ Session::CutOutputs Session::cut(const char *reason) {
   return placed;
 }
 
-void Session::noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph) {
+void Session::noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph,
+                           const char *reason) {
   defined_.insert(hash);
   ++stats.graphsShipped;
   GraphInfo &info = graphs_[hash];
   info.nodes = graph->nodes.size();
   info.cutAt = locationText(site_);
+  info.reason = reason;
   info.firstSeen = uint64_t(std::time(nullptr));
   log(10, "define graph " + hash.hex().substr(0, 12) + " (" + std::to_string(info.nodes) +
               " nodes), first cut at " + info.cutAt);

@@ -196,6 +196,7 @@ PYBIND11_MODULE(_C, m) {
       d["waited_runs"] = g.waitedRuns;
       d["wait_ms"] = g.waitNs / 1e6;
       d["cut_at"] = g.cutAt;
+      d["reason"] = g.reason;
       graphs.append(d);
     }
     for (const auto &[loc, site] : session.sites()) {

@@ -122,6 +122,7 @@ public:
     uint64_t runs = 0, waitedRuns = 0, waitNs = 0;
     uint64_t firstSeen = 0, runsBefore = 0; ///< From an earlier process's cache file.
     std::string cutAt;
+    std::string reason; ///< Why the cut that first made it happened ("item", "mark_step").
   };
   /// What rgpu.metrics_report() shows about one sync site (a user's source line).
   struct SiteInfo {
@@ -164,7 +165,8 @@ private:
   /// first output handle.
   uint64_t queueRun(Traced t, bool replyMetas, const char *reason);
   /// Records a graph that the server has not seen: cache file, recompile analysis, log.
-  void noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph);
+  void noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph,
+                    const char *reason);
   void log(int level, const std::string &message);
   void queue(Command c);
   /// What an awaited frame brought back, in command order per kind.

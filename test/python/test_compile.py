@@ -1,0 +1,142 @@
+"""torch.compile(backend="rgpu"): dynamo and aot_autograd graphs run on the server, match CPU
+eager, cost one wait per step, and ship exactly one forward and one backward graph."""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import rgpu
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from models import TinyGPT, gpt_batch  # noqa: E402
+
+
+def new_graphs(known):
+    return {g["hash"] for g in rgpu._C.metrics()["graphs"]} - known
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
+
+
+def gpt():
+    return TinyGPT()
+
+
+def batch(kind, step):
+    if kind is mlp:
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(8, 16, generator=g),)
+    return gpt_batch(step)
+
+
+def loss_of(model, kind, args):
+    out = model(*args)
+    return out.square().mean() if kind is mlp else out
+
+
+@pytest.mark.parametrize("kind", [mlp, gpt], ids=["mlp", "transformer"])
+def test_forward_and_backward_match_cpu_at_one_wait_per_step(kind):
+    torch.manual_seed(0)
+    cpu = kind()
+    dev = copy.deepcopy(cpu).to("rgpu")
+    compiled = torch.compile(dev, backend="rgpu", dynamic=False)
+    before_all = {g["hash"] for g in rgpu._C.metrics()["graphs"]}
+    for step in range(4):
+        args = batch(kind, step)
+        cpu.zero_grad()
+        dev.zero_grad()
+        expected = loss_of(cpu, kind, args)
+        expected.backward()
+        before = rgpu.stats()
+        loss = loss_of(compiled, kind, [a.to("rgpu") for a in args])
+        loss.backward()
+        value = loss.item()
+        after = rgpu.stats()
+        delta = {k: after[k] - before[k] for k in after}
+        torch.testing.assert_close(value, expected.item(), rtol=1e-4, atol=1e-6)
+        for p, q in zip(dev.parameters(), cpu.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5)
+        if step > 0:
+            assert delta["graphs_shipped"] == 0, delta
+            assert delta["waits"] == 1, delta
+    # One forward and one backward graph, shipped once; the user's own ops (the loss outside
+    # the compiled module, the parameters' upload) are lazy graphs of their own.
+    reasons = [g["reason"] for g in rgpu._C.metrics()["graphs"] if g["hash"] in new_graphs(before_all)]
+    assert reasons.count("torch.compile forward graph") == 1, reasons
+    assert reasons.count("torch.compile backward graph") == 1, reasons
+
+
+def test_a_compiled_training_step_with_an_optimizer():
+    torch.manual_seed(0)
+    cpu = mlp()
+    dev = copy.deepcopy(cpu).to("rgpu")
+    compiled = torch.compile(dev, backend="rgpu", dynamic=False)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (cpu, dev)]
+    for step in range(4):
+        (x,) = batch(mlp, step)
+        losses = []
+        for model, opt, xx in ((cpu, opts[0], x), (compiled, opts[1], x.to("rgpu"))):
+            opt.zero_grad()
+            loss = model(xx).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-6)
+    for p, q in zip(dev.parameters(), cpu.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
+
+
+def test_dynamic_shapes_trace_one_graph_per_shape():
+    torch.manual_seed(0)
+    cpu = mlp()
+    dev = copy.deepcopy(cpu).to("rgpu")
+    compiled = torch.compile(dev, backend="rgpu", dynamic=True)
+    for n in (3, 5, 9):
+        x = torch.randn(n, 16)
+        torch.testing.assert_close(compiled(x.to("rgpu")).cpu(), cpu(x), rtol=1e-4, atol=1e-5)
+
+
+def test_inference_under_no_grad():
+    torch.manual_seed(0)
+    cpu = mlp().eval()
+    compiled = torch.compile(copy.deepcopy(cpu).to("rgpu"), backend="rgpu")
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x.to("rgpu")).cpu(), cpu(x), rtol=1e-4, atol=1e-5)
+
+
+@torch.library.custom_op("rgputest::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_raises_at_compile_time_naming_it():
+    f = torch.compile(lambda x: twice(x) + 1, backend="rgpu")
+    with pytest.raises(Exception, match="rgputest::twice") as info:
+        f(torch.ones(3, device="rgpu"))
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(type(e))
+        e = e.__cause__ or e.__context__
+    assert rgpu.UnsupportedOpError in chain, chain
+
+
+def test_compile_backend_options():
+    torch.manual_seed(0)
+    cpu = mlp()
+    backend = rgpu.compile_backend(compiler="plan")
+    compiled = torch.compile(copy.deepcopy(cpu).to("rgpu"), backend=backend)
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(compiled(x.to("rgpu")).cpu(), cpu(x), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="compiler"):
+        rgpu.compile_backend(compiler="tvm")

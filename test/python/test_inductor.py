@@ -1,0 +1,113 @@
+"""rgpu-opserver --compiler inductor: background compiles, the switch to compiled code, the
+persistent cache, and shutdown in the middle of a compile. Each test starts its own server and
+runs its client in its own process (inductor_client.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import REPO, Server, run_client
+
+CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inductor_client.py")
+
+
+def run(server, workload):
+    code = f"import runpy, sys; sys.argv = [{CLIENT!r}, {workload!r}]; runpy.run_path({CLIENT!r}, run_name='__main__')"
+    r = run_client(server.address, code, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr + "".join(server.log)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def wait_for_log(server, text, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(text in line for line in server.log):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not in the server log:\n" + "".join(server.log))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("server-cache"))
+
+
+def inductor_server(cache_dir, *args):
+    return Server("--compiler", "inductor", "--cache-dir", cache_dir, *args)
+
+
+def test_lazy_training_switches_to_inductor_without_waiting_and_matches_cpu(cache_dir):
+    server = inductor_server(cache_dir, "--compile-after", "3")
+    try:
+        out = run(server, "lazy-gpt")
+    finally:
+        server.stop()
+    log = "".join(server.log)
+    assert "compiling with inductor in the background" in log
+    assert "inductor compiled in" in log
+    # The step that queued the compile came back while it was still running: no step waits.
+    assert max(out["pending"][:6]) >= 1, out
+    stats = out["stats"]
+    assert stats["compiler"] == "inductor"
+    assert stats["inductor_compiles"] >= 1 and stats["compile_failures"] == 0, stats
+    assert stats["session"]["compiled_runs"] >= 2, stats
+    assert any(g["executor"] == "inductor" for g in stats["session"]["graphs"]), stats
+
+
+def test_a_restarted_server_loads_what_it_compiled_before(cache_dir):
+    server = inductor_server(cache_dir, "--compile-after", "3")
+    try:
+        out = run(server, "lazy-gpt")
+    finally:
+        server.stop()
+    stats = out["stats"]
+    assert stats["inductor_compiles"] == 0, stats
+    assert stats["disk_cache_hits"] >= 1, stats
+    assert stats["session"]["compiled_runs"] >= 2, stats
+    assert "loaded from the cache" in "".join(server.log)
+
+
+def test_torch_compile_graphs_are_compiled_on_the_server(tmp_path):
+    server = inductor_server(str(tmp_path))
+    try:
+        out = run(server, "compiled-mlp")
+    finally:
+        server.stop()
+    stats = out["stats"]
+    # The forward and backward graphs compile at their first run; later steps run them compiled.
+    assert stats["inductor_compiles"] >= 2 and stats["compile_failures"] == 0, stats
+    assert stats["session"]["compiled_runs"] >= 2 * 4, stats
+
+
+def test_shutdown_during_a_compile_leaves_no_partial_artifact(tmp_path):
+    server = inductor_server(str(tmp_path), "--compile-after", "1")
+    code = (
+        "import torch, rgpu\n"
+        "x = torch.randn(64, 64, device='rgpu')\n"
+        "for _ in range(2):\n"
+        "    (x @ x).relu().sum().item()\n"
+    )
+    try:
+        r = run_client(server.address, code)
+        assert r.returncode == 0, r.stderr
+        wait_for_log(server, "compiling with inductor in the background")
+        time.sleep(2)  # well into the compile
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.stop()
+    leftovers = sorted(os.listdir(tmp_path / "inductor"))
+    assert not [f for f in leftovers if ".tmp" in f or f.endswith(".pt2")], leftovers
+
+
+def test_the_inductor_compiler_needs_a_python():
+    # The native program, started without the rgpu-opserver command that names the Python.
+    native = os.path.join(REPO, "python", "rgpu", "bin", "rgpu-opserver")
+    env = {k: v for k, v in os.environ.items() if k != "RGPU_PYTHON"}
+    r = subprocess.run([native, "--compiler", "inductor", "--port", "0"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "RGPU_PYTHON" in r.stderr
