@@ -10,7 +10,7 @@ DEB_PKGS   := capnproto libcapnp-dev libuv1-dev llvm-dev libgtest-dev libbenchma
 SUDO       := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CCACHE     := $(shell command -v ccache 2>/dev/null)
 
-.PHONY: all deps venv build test test-cpp test-python run clean
+.PHONY: all deps venv build test test-cpp test-python run bench clean
 
 all: build
 
@@ -49,6 +49,11 @@ test: test-cpp test-python
 
 run: build
 	$(PY) examples/train.py
+
+# `make bench QUICK=1`: the reduced suite (a few minutes). Results in bench/results/.
+bench: build
+	$(PY) -m pip install -q matplotlib
+	$(PY) bench/suite.py --build $(BUILD) $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(BUILD) python/rgpu/_C*.so python/rgpu/bin

@@ -24,6 +24,8 @@
 
 #include <llvm/ADT/StringSet.h>
 
+#include <unordered_map>
+
 namespace rgpu::client {
 namespace {
 
@@ -83,6 +85,37 @@ bool acceptsCpuTensors(llvm::StringRef name) {
          name == "aten::_index_put_impl";
 }
 
+/// Output metas by everything they can depend on: op, constant arguments, operand metas, scalar
+/// types. Many ops' meta kernels are Python functions (torch's decompositions registered for the
+/// Meta key), ~100 us a call; a training loop repeats the same calls every step.
+class MetaCache {
+public:
+  const std::vector<ir::TensorMeta> *find(const std::string &key) const {
+    auto it = map_.find(key);
+    return it == map_.end() ? nullptr : &it->second;
+  }
+  void insert(std::string key, std::vector<ir::TensorMeta> metas) {
+    if (map_.size() >= kMaxEntries)
+      map_.clear();
+    map_.emplace(std::move(key), std::move(metas));
+  }
+
+private:
+  static constexpr size_t kMaxEntries = 1 << 16;
+  std::unordered_map<std::string, std::vector<ir::TensorMeta>> map_;
+};
+
+MetaCache &metaCache() {
+  static MetaCache cache; // used under the session lock
+  return cache;
+}
+
+/// Ops whose output shape follows the values of their Scalar arguments.
+bool shapeFollowsScalars(llvm::StringRef name) {
+  return name == "aten::arange" || name == "aten::range" || name == "aten::linspace" ||
+         name == "aten::logspace";
+}
+
 /// Records one op: collects its arguments into a TraceNode and a meta-device twin of the stack.
 class Recorder {
 public:
@@ -109,6 +142,11 @@ public:
   bool inferMetas(std::vector<ir::TensorMeta> &outs) {
     if (dataDependent || isDataDependent(name_))
       return false;
+    std::string key = cacheKey();
+    if (const std::vector<ir::TensorMeta> *hit = metaCache().find(key)) {
+      outs = *hit;
+      return true;
+    }
     try {
       metaCall();
     } catch (const c10::NotImplementedError &) {
@@ -143,12 +181,51 @@ public:
                                     " returns a non-tensor value, which rgpu cannot trace");
       }
     }
+    metaCache().insert(std::move(key), outs);
     return true;
   }
 
   llvm::IntrusiveRefCntPtr<TraceNode> node() { return node_; }
 
 private:
+  std::string cacheKey() const {
+    std::string key;
+    auto put = [&](const void *p, size_t n) { key.append(static_cast<const char *>(p), n); };
+    auto putMeta = [&](const ir::TensorMeta &m) {
+      put(&m.dtype, 1);
+      uint32_t rank = m.sizes.size();
+      put(&rank, 4);
+      put(m.sizes.data(), rank * 8);
+      put(m.strides.data(), rank * 8);
+    };
+    const ir::Node &n = node_->node;
+    uint32_t op = n.op.id();
+    put(&op, 4);
+    for (const Arg &a : n.args) {
+      put(&a.kind, 1);
+      put(&a.i, 8);
+      put(&a.d, 8);
+    }
+    for (const std::string &s : n.strings)
+      key.append(s).push_back('\0');
+    for (const ir::TensorMeta &m : operandMetas_)
+      putMeta(m);
+    for (const ir::ScalarSlot &s : node_->scalarSlots) {
+      put(&s.dtype, 1);
+      put(&s.form, 1);
+    }
+    bool values = shapeFollowsScalars(name_);
+    for (const ir::ScalarValue &v : node_->scalarValues) {
+      put(&v.kind, 1);
+      if (values) {
+        put(&v.i, 8);
+        put(&v.d, 8);
+        put(&v.imag, 8);
+      }
+    }
+    return key;
+  }
+
   /// Runs the op on the meta twins. A functionalized view (`transpose_copy`) gets the strides of
   /// the view itself, as CPU eager would give it; the server runs it as that view, so tensors
   /// keep CPU's layouts (a transposed result downloads transposed, is_contiguous() agrees).
@@ -329,6 +406,7 @@ private:
     }
     node_->node.args.push_back(Arg::ref(Arg::Kind::Tensor, node_->inputs.size()));
     node_->inputs.push_back(std::move(v));
+    operandMetas_.push_back(meta);
     return at::empty_strided(meta.sizes, meta.strides,
                              at::TensorOptions()
                                  .dtype(static_cast<c10::ScalarType>(meta.dtype))
@@ -368,6 +446,7 @@ private:
   llvm::StringRef name_;
   llvm::IntrusiveRefCntPtr<TraceNode> node_;
   torch::jit::Stack meta_;
+  std::vector<ir::TensorMeta> operandMetas_;
 };
 
 /// Wraps outputs for the user unless we are already inside functionalization (which wraps them

@@ -1,0 +1,104 @@
+// The client's per-cut costs on a 5,000-node graph, without torch: canonicalising it, hashing
+// it, and encoding and decoding it as the Cap'n Proto Define that ships it once.
+#include "rgpu/ir/Graph.h"
+#include "rgpu/wire/Wire.h"
+
+#include <benchmark/benchmark.h>
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+
+using namespace rgpu;
+
+namespace {
+constexpr uint32_t kNodes = 5000;
+
+/// A layered MLP-like DAG: every node reads the previous node and one earlier value, with a
+/// lifted scalar on every third node, over [64,256] f32 values.
+ir::Graph bigGraph() {
+  ir::Graph g;
+  ir::TensorMeta m = ir::TensorMeta::contiguous(ir::dtype::Float, {64, 256});
+  g.inputs = {m, m, m, m};
+  for (uint32_t i = 0; i < kNodes; ++i) {
+    uint32_t prev = 4 + i - 1, other = (i * 7919) % (4 + i);
+    ir::Node n;
+    n.outputs = {m};
+    if (i % 3 == 0) {
+      n.op = ir::Symbol::get("aten::add.Tensor");
+      n.operands = {i == 0 ? 0 : prev, other};
+      n.args = {ir::Arg::ref(ir::Arg::Kind::Tensor, 0), ir::Arg::ref(ir::Arg::Kind::Tensor, 1),
+                ir::Arg::ref(ir::Arg::Kind::Scalar, 0)};
+      n.scalars = {uint32_t(g.scalars.size())};
+      g.scalars.push_back({ir::dtype::Double, ir::ScalarForm::Scalar});
+    } else if (i % 3 == 1) {
+      n.op = ir::Symbol::get("aten::mul.Tensor");
+      n.operands = {prev, other};
+      n.args = {ir::Arg::ref(ir::Arg::Kind::Tensor, 0), ir::Arg::ref(ir::Arg::Kind::Tensor, 1)};
+    } else {
+      n.op = ir::Symbol::get("aten::sum.dim_IntList");
+      n.outputs = {ir::TensorMeta::contiguous(ir::dtype::Float, {64, 256})};
+      n.operands = {prev};
+      n.args = {ir::Arg::ref(ir::Arg::Kind::Tensor, 0), ir::Arg::ref(ir::Arg::Kind::List, 1),
+                ir::Arg::integer(1), ir::Arg::boolean(true), ir::Arg::none()};
+    }
+    g.nodes.push_back(std::move(n));
+  }
+  g.outputs = {4 + kNodes - 1, 4 + kNodes / 2};
+  return g;
+}
+
+const ir::Graph &graph() {
+  static ir::Graph g = bigGraph();
+  return g;
+}
+
+void BM_Canonicalize5000(benchmark::State &state) {
+  for (auto _ : state)
+    benchmark::DoNotOptimize(ir::canonicalize(graph()));
+  state.SetItemsProcessed(state.iterations() * kNodes);
+}
+
+void BM_Hash5000(benchmark::State &state) {
+  ir::Graph g = ir::canonicalize(graph()).graph;
+  for (auto _ : state)
+    benchmark::DoNotOptimize(ir::hashGraph(g));
+  state.SetItemsProcessed(state.iterations() * kNodes);
+}
+
+void BM_Encode5000(benchmark::State &state) {
+  ir::Graph g = ir::canonicalize(graph()).graph;
+  size_t bytes = 0;
+  for (auto _ : state) {
+    capnp::MallocMessageBuilder b;
+    wire::encodeGraph(g, b.initRoot<wire::Graph>());
+    auto words = capnp::messageToFlatArray(b);
+    bytes = words.asBytes().size();
+    benchmark::DoNotOptimize(words.begin());
+  }
+  state.counters["bytes"] = double(bytes);
+  state.SetItemsProcessed(state.iterations() * kNodes);
+}
+
+void BM_Decode5000(benchmark::State &state) {
+  ir::Graph g = ir::canonicalize(graph()).graph;
+  capnp::MallocMessageBuilder b;
+  wire::encodeGraph(g, b.initRoot<wire::Graph>());
+  auto words = capnp::messageToFlatArray(b);
+  wire::Limits limits;
+  for (auto _ : state) {
+    capnp::FlatArrayMessageReader reader(words, wire::readerOptions(limits, words.asBytes().size(), false));
+    ir::Graph out;
+    std::string error = wire::decodeGraph(reader.getRoot<wire::Graph>(), limits, out);
+    if (!error.empty())
+      state.SkipWithError(error.c_str());
+    benchmark::DoNotOptimize(out.nodes.data());
+  }
+  state.SetItemsProcessed(state.iterations() * kNodes);
+}
+} // namespace
+
+BENCHMARK(BM_Canonicalize5000)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Hash5000)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Encode5000)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Decode5000)->Unit(benchmark::kMicrosecond);
+
+BENCHMARK_MAIN();

@@ -1,0 +1,434 @@
+"""The benchmark suite: rgpu against local eager, local torch.compile and torch._lazy (LTC).
+
+    python bench/suite.py [--quick] [--out bench/results]
+
+Every (workload, system, rtt) runs in a fresh process, one after another, against real
+rgpu-opserver processes on loopback (through bench/relay.py for rtt_ms > 0). step_ms is the
+median over the timed steps after warm-up. Results: OUT/latest.json, OUT/latest.png, and a
+table on stdout. Absolute times on a shared machine are noise; compare ratios within one run.
+
+Systems:
+  cpu-eager       local eager PyTorch on CPU
+  cpu-compile     local torch.compile (Inductor) on CPU, compile time excluded
+  ltc             torch._lazy with its TorchScript backend on CPU, mark_step() each step
+  rgpu-plan       rgpu against rgpu-opserver --compiler plan
+  rgpu-inductor   rgpu against rgpu-opserver --compiler inductor, after its compiles finished
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "examples"))
+
+WORKLOADS = ["mlp", "cnn", "gpt", "infer"]
+LINK_MBIT = 100.0
+
+
+# --------------------------------------------------------------------------------------------
+# Workloads: each returns step(i) -> None, which runs one step and syncs (.item() or .cpu()).
+
+def make_workload(name, device, system):
+    import torch
+    import torch.nn as nn
+
+    from models import SmallCNN, TinyGPT, gpt_batch, gpt_optimizer
+
+    torch.manual_seed(0)
+    wrap = (lambda m: torch.compile(m)) if system == "cpu-compile" else (lambda m: m)
+    if system == "ltc":
+        import torch._lazy
+
+        mark = torch._lazy.mark_step
+    else:
+        def mark():
+            pass
+
+    if name == "mlp":
+        model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.LayerNorm(512),
+                              nn.Linear(512, 512), nn.GELU(), nn.LayerNorm(512),
+                              nn.Linear(512, 10)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fwd = wrap(model)
+        batches = [(torch.randn(64, 256), torch.randint(0, 10, (64,))) for _ in range(4)]
+
+        def step(i):
+            x, y = batches[i % len(batches)]
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(fwd(x.to(device)), y.to(device))
+            loss.backward()
+            opt.step()
+            mark()
+            loss.item()
+        return step
+
+    if name == "cnn":
+        model = SmallCNN().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        fwd = wrap(model)
+        batches = [(torch.randn(32, 1, 16, 16), torch.randint(0, 10, (32,))) for _ in range(4)]
+
+        def step(i):
+            x, y = batches[i % len(batches)]
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(fwd(x.to(device)), y.to(device))
+            loss.backward()
+            opt.step()
+            mark()
+            loss.item()
+        return step
+
+    if name == "gpt":
+        model = TinyGPT().to(device)
+        opt, sched = gpt_optimizer(model, steps=1000)
+        fwd = wrap(model)
+        batches = [gpt_batch(s) for s in range(4)]
+
+        def step(i):
+            idx, tgt = batches[i % len(batches)]
+            opt.zero_grad()
+            loss = fwd(idx.to(device), tgt.to(device))
+            loss.backward()
+            opt.step()
+            sched.step()
+            mark()
+            loss.item()
+        return step
+
+    if name == "infer":
+        model = TinyGPT().to(device).eval()
+        head = wrap(lambda idx: model.head(model.ln(model.blocks(
+            model.tok(idx) + model.pos(torch.arange(idx.shape[1], device=idx.device))))))
+        batches = [gpt_batch(s, batch=32)[0] for s in range(4)]
+
+        def step(i):
+            with torch.no_grad():
+                out = head(batches[i % len(batches)].to(device)).argmax(-1)
+                mark()
+                out.cpu()
+        return step
+
+    raise SystemExit(f"unknown workload {name}")
+
+
+def trace_cost(device, ops=3000):
+    """Microseconds per op to record (rgpu, ltc) or run (cpu-eager) an elementwise chain."""
+    import torch
+
+    x = torch.randn(64, 64).to(device)
+    start = time.perf_counter()
+    for _ in range(ops // 3):
+        x = x * 1.0001
+        x = x + 0.5
+        x = torch.relu(x)
+    elapsed = time.perf_counter() - start
+    if device == "lazy":
+        import torch._lazy
+
+        torch._lazy.mark_step()
+    x.sum().item()
+    return elapsed / ops * 1e6
+
+
+def child(args):
+    """Runs one (workload, system) in this process; prints one JSON line."""
+    import torch
+
+    system = args.system
+    device = {"cpu-eager": "cpu", "cpu-compile": "cpu", "ltc": "lazy"}.get(system, "rgpu")
+    if device == "lazy":
+        import torch._lazy.ts_backend
+
+        torch._lazy.ts_backend.init()
+    rgpu = None
+    if device == "rgpu":
+        import rgpu
+
+    if args.workload == "trace":
+        print(json.dumps({"trace_us_per_op": trace_cost(device)}))
+        return
+
+    step = make_workload(args.workload, device, system)
+    for i in range(args.warmup):
+        step(i)
+    if system == "rgpu-inductor":
+        # Compiles happen in the background; the timed steps should see their result.
+        deadline = time.time() + 900
+        while rgpu.server_stats()["compiles_pending"] and time.time() < deadline:
+            time.sleep(0.5)
+        for i in range(2):
+            step(i)
+    before = rgpu.stats() if rgpu else None
+    times = []
+    for i in range(args.steps):
+        start = time.perf_counter()
+        step(i)
+        times.append((time.perf_counter() - start) * 1e3)
+    out = {"step_ms": statistics.median(times)}
+    if rgpu:
+        after = rgpu.stats()
+        d = {k: (after[k] - before[k]) / args.steps for k in after}
+        server = rgpu.server_stats()
+        out.update(waits_per_step=d["waits"], messages_per_step=d["messages"],
+                   bytes_up_per_step=d["bytes_out"], bytes_down_per_step=d["bytes_in"],
+                   compiles=server["inductor_compiles"] if server["compiler"] == "inductor"
+                   else 0, compiled_runs=server["session"]["compiled_runs"])
+    elif system == "cpu-compile":
+        from torch._dynamo.utils import counters
+
+        out["compiles"] = counters["stats"]["unique_graphs"]
+    print(json.dumps(out))
+
+
+# --------------------------------------------------------------------------------------------
+# The orchestrator.
+
+class Proc:
+    """A background process whose stderr is drained; `address` parsed from its first lines."""
+
+    def __init__(self, cmd, pattern):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.address = None
+        self.log = []
+        for line in self.proc.stdout:
+            self.log.append(line)
+            m = re.search(pattern, line)
+            if m:
+                self.address = m.group(1)
+                break
+        if not self.address:
+            raise SystemExit("could not start: " + " ".join(cmd) + "\n" + "".join(self.log))
+        threading.Thread(target=lambda: [self.log.append(x) for x in self.proc.stdout],
+                         daemon=True).start()
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def opserver():
+    return os.path.join(os.path.dirname(sys.executable), "rgpu-opserver")
+
+
+def run_child(workload, system, address, warmup, steps, timeout):
+    env = dict(os.environ)
+    if address:
+        env["RGPU_OPSERVER"] = address
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--workload", workload,
+           "--system", system, "--warmup", str(warmup), "--steps", str(steps)]
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        return {"error": " | ".join(tail)}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def micro_benchmarks(build, server_address, quick):
+    """Runs the Google Benchmark binaries; returns {benchmark: {"us": time, "per_item_ns": ...}}."""
+    out = {}
+    env = dict(os.environ, RGPU_OPSERVER=server_address)
+    for name in ("rgpu_ir_bench", "rgpu_trace_bench", "rgpu_plan_bench"):
+        binary = os.path.join(build, "bench", name)
+        if not os.path.exists(binary):
+            continue
+        cmd = [binary, "--benchmark_format=json"] + (["--benchmark_min_time=0.2s"] if quick else [])
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            out[name] = {"error": r.stderr.strip().splitlines()[-1:]}
+            continue
+        for b in json.loads(r.stdout)["benchmarks"]:
+            entry = {"us": b["real_time"] if b["time_unit"] == "us" else b["real_time"] / 1e3}
+            if "items_per_second" in b:
+                entry["per_item_ns"] = 1e9 / b["items_per_second"]
+            if "bytes" in b:
+                entry["bytes"] = b["bytes"]
+            out[b["name"]] = entry
+    return out
+
+
+def plan_runs(quick):
+    runs = []
+    for w in WORKLOADS:
+        runs += [(w, "cpu-eager", 0), (w, "ltc", 0)]
+        if not quick or w in ("mlp", "gpt"):
+            runs.append((w, "cpu-compile", 0))
+        for rtt in ((0, 20, 50) if not quick else (0, 20)):
+            runs += [(w, "rgpu-plan", rtt), (w, "rgpu-inductor", rtt)]
+        if quick:
+            runs.append((w, "rgpu-plan", 50))
+    return runs
+
+
+def table(results):
+    lines = []
+    base = {(r["workload"]): r["step_ms"] for r in results["runs"]
+            if r["system"] == "cpu-eager" and "step_ms" in r}
+    ltc = {(r["workload"]): r["step_ms"] for r in results["runs"]
+           if r["system"] == "ltc" and "step_ms" in r}
+    head = (f"{'workload':8} {'system':14} {'rtt':>4} {'step ms':>8} {'/eager':>7} {'/ltc':>6} "
+            f"{'waits':>5} {'msgs':>5} {'B up':>7} {'compiles':>8}")
+    lines.append(head)
+    lines.append("-" * len(head))
+    for r in results["runs"]:
+        if "step_ms" not in r:
+            lines.append(f"{r['workload']:8} {r['system']:14} {r['rtt_ms']:>4} "
+                         f"error: {r.get('error', '?')[:80]}")
+            continue
+        w = r["workload"]
+        fmt = lambda v, f: (format(v, f) if v is not None else "-")  # noqa: E731
+        lines.append(
+            f"{w:8} {r['system']:14} {r['rtt_ms']:>4} {r['step_ms']:8.2f} "
+            f"{fmt(r['step_ms'] / base[w] if w in base else None, '7.2f')} "
+            f"{fmt(r['step_ms'] / ltc[w] if w in ltc else None, '6.2f')} "
+            f"{fmt(r.get('waits_per_step'), '5.1f')} {fmt(r.get('messages_per_step'), '5.1f')} "
+            f"{fmt(r.get('bytes_up_per_step'), '7.0f')} {fmt(r.get('compiles'), '8d')}")
+    t = results.get("trace_us_per_op", {})
+    if t:
+        lines.append("")
+        lines.append("trace cost per op (us): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
+    for name, m in results.get("micro", {}).items():
+        if "us" in m:
+            extra = f", {m['per_item_ns']:.0f} ns per item" if "per_item_ns" in m else ""
+            lines.append(f"{name:28} {m['us']:10.1f} us{extra}")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in results["runs"] if "step_ms" in r]
+    labels = []
+    for r in runs:
+        label = r["system"] + (f"@{r['rtt_ms']}ms" if r["rtt_ms"] else "")
+        if label not in labels:
+            labels.append(label)
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
+    width = 0.8 / max(1, len(labels))
+    for k, label in enumerate(labels):
+        xs, ys = [], []
+        for i, w in enumerate(WORKLOADS):
+            for r in runs:
+                if r["workload"] == w and r["system"] + (f"@{r['rtt_ms']}ms" if r["rtt_ms"] else "") == label:
+                    xs.append(i + k * width)
+                    ys.append(r["step_ms"])
+        axes[0].bar(xs, ys, width, label=label)
+    axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(WORKLOADS))], WORKLOADS)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("step time, ms (median, log scale)")
+    axes[0].set_title("Step time per system and workload")
+    axes[0].legend(fontsize=7, ncol=2)
+    rgpu_runs = [r for r in runs if r["system"].startswith("rgpu") and r["rtt_ms"] == 0]
+    names = [f"{r['workload']}\n{r['system'][5:]}" for r in rgpu_runs]
+    xs = range(len(rgpu_runs))
+    axes[1].bar([x - 0.2 for x in xs], [r["messages_per_step"] for r in rgpu_runs], 0.4,
+                label="messages per step")
+    axes[1].bar([x + 0.2 for x in xs], [r["bytes_up_per_step"] for r in rgpu_runs], 0.4,
+                label="bytes up per step")
+    axes[1].set_xticks(list(xs), names, fontsize=7)
+    axes[1].set_yscale("log")
+    axes[1].set_title("rgpu traffic per step (the earlier per-op design: ~7,000 msgs, 3.5 MB)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"rgpu benchmark, torch {results['torch']}, {results['machine']['cpus']} CPUs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and runs (< 5 min)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--build", default=os.path.join(REPO, "build"),
+                        help="the CMake build directory with the micro-benchmarks")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=10, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+
+    import torch
+
+    os.makedirs(args.out, exist_ok=True)
+    warmup, steps = (3, 10) if args.quick else (5, 30)
+    cache = os.path.join(args.out, "server-cache")
+    started = time.time()
+    servers = {
+        "rgpu-plan": Proc([opserver(), "--device", "cpu", "--port", "0", "--compiler", "plan"],
+                          r"listening on ([\d.]+:\d+)"),
+        "rgpu-inductor": Proc([opserver(), "--device", "cpu", "--port", "0", "--compiler",
+                               "inductor", "--cache-dir", cache], r"listening on ([\d.]+:\d+)"),
+    }
+    relays = {}
+    runs = plan_runs(args.quick)
+    for _, system, rtt in runs:
+        if rtt and (system, rtt) not in relays:
+            relays[(system, rtt)] = Proc(
+                [sys.executable, os.path.join(HERE, "relay.py"), "--target",
+                 servers[system].address, "--rtt-ms", str(rtt), "--mbit", str(LINK_MBIT)],
+                r"relay listening on ([\d.]+:\d+)")
+    results = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
+        "torch": torch.__version__,
+        "settings": {"warmup_steps": warmup, "timed_steps": steps, "quick": args.quick,
+                     "link_mbit": LINK_MBIT, "relay": "bench/relay.py, delay rtt/2 each way"},
+        "runs": [],
+    }
+    try:
+        for workload, system, rtt in runs:
+            address = None
+            if system.startswith("rgpu"):
+                address = relays[(system, rtt)].address if rtt else servers[system].address
+            print(f"  {workload:6} {system:14} rtt {rtt:>2} ms ...", end=" ", flush=True)
+            r = run_child(workload, system, address, warmup, steps, timeout=1200)
+            r.update(workload=workload, system=system, rtt_ms=rtt)
+            print(f"{r['step_ms']:.2f} ms" if "step_ms" in r else r["error"], flush=True)
+            results["runs"].append(r)
+        trace = {}
+        for system in ("rgpu-plan", "ltc", "cpu-eager"):
+            r = run_child("trace", system, servers["rgpu-plan"].address, 0, 0, timeout=300)
+            if "trace_us_per_op" in r:
+                trace["rgpu" if system == "rgpu-plan" else system] = r["trace_us_per_op"]
+        results["trace_us_per_op"] = trace
+        results["micro"] = micro_benchmarks(args.build, servers["rgpu-plan"].address, args.quick)
+    finally:
+        for p in list(relays.values()) + list(servers.values()):
+            p.stop()
+    results["seconds"] = round(time.time() - started, 1)
+    with open(os.path.join(args.out, "latest.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    try:
+        plot(results, os.path.join(args.out, "latest.png"))
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    print()
+    print(table(results))
+    print(f"\n{len(results['runs'])} runs in {results['seconds']} s; "
+          f"{os.path.join(args.out, 'latest.json')}, latest.png")
+
+
+if __name__ == "__main__":
+    main()
