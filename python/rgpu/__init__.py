@@ -65,6 +65,10 @@ _C._install(
     os.path.dirname(__file__) + os.sep,
 )
 torch._register_device_module("rgpu", _device_module)
+
+from ._meta import memoize_inplace_meta_checks  # noqa: E402
+
+memoize_inplace_meta_checks()
 torch.utils.generate_methods_for_privateuse1_backend(
     for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=False
 )

@@ -151,3 +151,14 @@ def test_two_clients_training_at_once_get_their_solo_results(server):
     together = [p.communicate(timeout=300)[0] for p in procs]
     assert all(s.strip().startswith("[") for s in solo), solo
     assert together == solo
+
+
+def test_in_place_broadcast_errors_survive_the_memo_of_passed_checks():
+    x = torch.zeros(3, device="rgpu")
+    for _ in range(2):
+        x.add_(torch.ones(3, device="rgpu"))  # the same signature passes, then is remembered
+    with pytest.raises(RuntimeError, match="broadcast"):
+        x.add_(torch.ones(2, 3, device="rgpu"))
+    with pytest.raises(RuntimeError, match="broadcast"):
+        x.add_(torch.ones(2, 3, device="rgpu"))
+    assert x.cpu().tolist() == [2.0, 2.0, 2.0]
