@@ -23,7 +23,6 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -54,39 +53,30 @@ def make_workload(name, device, system):
         def mark():
             pass
 
+    def classifier(model, opt, batch, classes=10):
+        fwd = wrap(model)
+        batches = [(torch.randn(*batch), torch.randint(0, classes, batch[:1])) for _ in range(4)]
+
+        def step(i):
+            x, y = batches[i % len(batches)]
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(fwd(x.to(device)), y.to(device))
+            loss.backward()
+            opt.step()
+            mark()
+            loss.item()
+        return step
+
     if name == "mlp":
         model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.LayerNorm(512),
                               nn.Linear(512, 512), nn.GELU(), nn.LayerNorm(512),
                               nn.Linear(512, 10)).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        fwd = wrap(model)
-        batches = [(torch.randn(64, 256), torch.randint(0, 10, (64,))) for _ in range(4)]
-
-        def step(i):
-            x, y = batches[i % len(batches)]
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(fwd(x.to(device)), y.to(device))
-            loss.backward()
-            opt.step()
-            mark()
-            loss.item()
-        return step
+        return classifier(model, torch.optim.AdamW(model.parameters(), lr=1e-3), (64, 256))
 
     if name == "cnn":
         model = SmallCNN().to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        fwd = wrap(model)
-        batches = [(torch.randn(32, 1, 16, 16), torch.randint(0, 10, (32,))) for _ in range(4)]
-
-        def step(i):
-            x, y = batches[i % len(batches)]
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(fwd(x.to(device)), y.to(device))
-            loss.backward()
-            opt.step()
-            mark()
-            loss.item()
-        return step
+        return classifier(model, opt, (32, 1, 16, 16))
 
     if name == "gpt":
         model = TinyGPT().to(device)

@@ -1,8 +1,6 @@
 """Bad input gets a clear, named error at the right place, and the session goes on."""
 
 import os
-import signal
-import time
 
 import pytest
 import torch

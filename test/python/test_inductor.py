@@ -39,13 +39,17 @@ def inductor_server(cache_dir, *args):
     return Server("--compiler", "inductor", "--cache-dir", cache_dir, *args)
 
 
-def test_lazy_training_switches_to_inductor_without_waiting_and_matches_cpu(cache_dir):
-    server = inductor_server(cache_dir, "--compile-after", "3")
+def run_on_new_server(cache_dir, workload, *args):
+    """Runs the client workload against a fresh inductor server; returns its output and log."""
+    server = inductor_server(cache_dir, *args)
     try:
-        out = run(server, "lazy-gpt")
+        return run(server, workload), "".join(server.log)
     finally:
         server.stop()
-    log = "".join(server.log)
+
+
+def test_lazy_training_switches_to_inductor_without_waiting_and_matches_cpu(cache_dir):
+    out, log = run_on_new_server(cache_dir, "lazy-gpt", "--compile-after", "3")
     assert "compiling with inductor in the background" in log
     assert "inductor compiled in" in log
     # The step that queued the compile came back while it was still running: no step waits.
@@ -58,24 +62,16 @@ def test_lazy_training_switches_to_inductor_without_waiting_and_matches_cpu(cach
 
 
 def test_a_restarted_server_loads_what_it_compiled_before(cache_dir):
-    server = inductor_server(cache_dir, "--compile-after", "3")
-    try:
-        out = run(server, "lazy-gpt")
-    finally:
-        server.stop()
+    out, log = run_on_new_server(cache_dir, "lazy-gpt", "--compile-after", "3")
     stats = out["stats"]
     assert stats["inductor_compiles"] == 0, stats
     assert stats["disk_cache_hits"] >= 1, stats
     assert stats["session"]["compiled_runs"] >= 2, stats
-    assert "loaded from the cache" in "".join(server.log)
+    assert "loaded from the cache" in log
 
 
 def test_torch_compile_graphs_are_compiled_on_the_server(tmp_path):
-    server = inductor_server(str(tmp_path))
-    try:
-        out = run(server, "compiled-mlp")
-    finally:
-        server.stop()
+    out, _ = run_on_new_server(str(tmp_path), "compiled-mlp")
     stats = out["stats"]
     # The forward and backward graphs compile at their first run; later steps run them compiled.
     assert stats["inductor_compiles"] >= 2 and stats["compile_failures"] == 0, stats
