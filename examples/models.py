@@ -36,7 +36,9 @@ class Block(nn.Module):
 
     def forward(self, x):
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        qkv = self.qkv(self.ln1(x))
+        # Slices rather than split(): torch._lazy (a benchmark baseline) mishandles split's views.
+        q, k, v = qkv[..., :c], qkv[..., c:2 * c], qkv[..., 2 * c:]
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
