@@ -135,7 +135,7 @@ void callWithSessionGenerator(const c10::OperatorHandle &op, torch::jit::Stack &
 } // namespace
 
 at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta) {
-  if (!t.defined() || t.strides().equals(meta.strides) && t.storage_offset() == 0)
+  if (!t.defined() || (t.strides().equals(meta.strides) && t.storage_offset() == 0))
     return t;
   at::Tensor r = at::empty_strided(meta.sizes, meta.strides, t.options());
   r.copy_(t);

@@ -114,9 +114,12 @@ def mark_step(wait: bool = False) -> None:
 def server_stats() -> dict:
     """The server's counters since it started, with this session's own under ``session``.
 
-    ``plan_builds``, ``graphs_cached``, ``graph_runs``, ``sessions``; ``session`` holds
-    ``graph_runs``, ``execute_ms``, ``tensors`` and per graph ``runs``, ``execute_ms`` and
-    ``build_ms`` (verifying the graph and building its plan). One round trip.
+    ``compiler`` ("inductor" or "plan"), ``plan_builds``, ``graphs_cached``, ``graph_runs``,
+    ``sessions``, ``inductor_compiles`` (finished), ``compiles_pending`` (queued or running),
+    ``compile_failures``, ``disk_cache_hits`` (packages loaded from the server's cache instead of
+    compiled), ``compiled_runs``; ``session`` holds ``graph_runs``, ``compiled_runs``,
+    ``execute_ms``, ``tensors`` and per graph ``executor``, ``runs``, ``compiled_runs``,
+    ``execute_ms`` and ``build_ms`` (verifying the graph and building its plan). One round trip.
     """
     return _C.server_stats()
 
@@ -139,13 +142,15 @@ def metrics_report() -> str:
     if "session" in server:
         lines += [f"  session {k:8} {v}" for k, v in server["session"].items() if k != "graphs"]
     lines += ["", f"graphs ({len(m['graphs'])}):",
-              "  hash          nodes    runs  exec ms/run  wait ms/run  build ms  cut at"]
+              "  hash          nodes    runs  exec ms/run  wait ms/run  build ms  executor"
+              "                   cut at"]
     for g in sorted(m["graphs"], key=lambda g: -g["runs"]):
         wait = g["wait_ms"] / g["waited_runs"] if g["waited_runs"] else 0.0
         sg = on_server.get(g["hash"], {})
         execute = sg["execute_ms"] / sg["runs"] if sg.get("runs") else 0.0
         lines.append(f"  {g['hash'][:12]}  {g['nodes']:5}  {g['runs']:6}  {execute:11.2f}  {wait:11.2f}"
-                     f"  {sg.get('build_ms', 0.0):8.2f}  {g['cut_at'] or '?'}")
+                     f"  {sg.get('build_ms', 0.0):8.2f}  {sg.get('executor', '-'):25}"
+                     f"  {g['cut_at'] or '?'}")
     lines += ["", "sync sites (by total wait):", "  syncs  wait ms  site"]
     for site in sorted(m["sites"], key=lambda x: -x["wait_ms"]):
         if site["syncs"]:
