@@ -341,7 +341,15 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
   double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   fs::remove(scalarsPath, ec);
   if (status != 0) {
-    if (status == 1) {
+    bool stopping;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping = stopping_;
+    }
+    if (stopping) {
+      error = "cancelled by the shutdown";
+      log(name + ": compile cancelled by the shutdown; nothing of it is kept");
+    } else if (status == 1) {
       // The worker said why: keep its log and remember the failure across restarts.
       error = lastLine(base + ".log");
       std::ofstream(failed) << error << "\n";
