@@ -342,9 +342,9 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   if (ctx_.compiler() && !r.getReplyMetas() &&
       std::none_of(inputs.begin(), inputs.end(), [](const Entry &e) { return bool(e.error); }))
     compiled = ctx_.compiler()->lookup(plan, scalars, queued);
-  std::string name = "graph " + hash.hex().substr(0, 12);
+  auto name = [&] { return "graph " + hash.hex().substr(0, 12); };
   if (queued)
-    notes_.push_back(name + " (" + std::to_string(g.nodes.size()) +
+    notes_.push_back(name() + " (" + std::to_string(g.nodes.size()) +
                      " nodes) is compiling with Inductor on the server; until it is ready it "
                      "runs on the plan executor");
   auto start = std::chrono::steady_clock::now();
@@ -356,11 +356,11 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
       ++ctx_.compiledRuns;
       ++compiledRuns_;
       if (use.compiledRuns++ == 0)
-        notes_.push_back(name + " now runs Inductor-compiled code");
+        notes_.push_back(name() + " now runs Inductor-compiled code");
     } catch (const std::exception &e) {
       // Rerun on the plan, which names the failing op and the user's line.
       const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
-      log(peer_ + ": " + name + ": compiled run failed (" +
+      log(peer_ + ": " + name() + ": compiled run failed (" +
           (ce ? ce->what_without_backtrace() : e.what()) + "); running it on the plan executor");
     }
   }
