@@ -26,10 +26,9 @@ def _signature(args, kwargs):
             parts.append(a[0])
             a = a[1]
         if isinstance(a, torch.Tensor):
-            shape, stride = a.shape, a.stride()
-            if not all(type(s) is int for s in shape) or not all(type(s) is int for s in stride):
+            if a._has_symbolic_sizes_strides:
                 return None
-            parts.append((tuple(shape), stride, a.dtype))
+            parts.append((a.shape, a.stride(), a.dtype))
         elif isinstance(a, (list, tuple)):
             inner = _signature(a, {})
             if inner is None:
