@@ -6,7 +6,6 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
-#include <torch/headeronly/version.h>
 
 #include <llvm/Support/xxhash.h>
 
@@ -170,10 +169,8 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
 
 Compiler::Compiler(CompilerOptions options, at::Device device)
     : options_(std::move(options)), device_(device) {
-  std::string key = std::string("torch ") + std::to_string(TORCH_VERSION_MAJOR) + "." +
-                    std::to_string(TORCH_VERSION_MINOR) + "." +
-                    std::to_string(TORCH_VERSION_PATCH) + "|" + device_.str() + "|" +
-                    options_.mode + "|" + kWorkerFormat;
+  std::string key = "torch " + torchVersion() + "|" + device_.str() + "|" + options_.mode + "|" +
+                    kWorkerFormat;
   key_ = hex64(llvm::xxHash64(llvm::StringRef(key)));
   std::error_code ec;
   fs::create_directories(options_.cacheDir + "/inductor", ec);

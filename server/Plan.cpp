@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/jit_type.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/headeronly/version.h>
 
 #include <llvm/ADT/StringSet.h>
 
@@ -346,6 +347,11 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
     return "too many arguments for " + schema.name();
   steps_.push_back(std::move(step));
   return "";
+}
+
+std::string torchVersion() {
+  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+         std::to_string(TORCH_VERSION_PATCH);
 }
 
 c10::Scalar toScalar(const ir::ScalarValue &v) {

@@ -99,6 +99,9 @@ private:
 /// Makes \p t have exactly the layout \p meta describes, copying only if it does not already.
 at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta);
 
+/// The libtorch version this server runs, "2.13.0".
+std::string torchVersion();
+
 /// The value of a lifted scalar.
 c10::Scalar toScalar(const ir::ScalarValue &v);
 

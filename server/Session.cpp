@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
-#include <torch/headeronly/version.h>
 
 #include <algorithm>
 #include <chrono>
@@ -11,11 +10,6 @@
 #include <iostream>
 
 namespace rgpu::server {
-
-std::string torchVersion() {
-  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
-         std::to_string(TORCH_VERSION_PATCH);
-}
 
 size_t Context::graphsCached() {
   std::lock_guard<std::mutex> lock(mu_);

@@ -184,7 +184,8 @@ Session::Traced Session::buildGraph(llvm::ArrayRef<TraceNode *> nodes,
   return t;
 }
 
-uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason) {
+uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
+                           const std::string &executor) {
   ir::Canonical c = ir::canonicalize(t.graph);
   Command run;
   run.kind = wire::Command::RUN;
@@ -208,7 +209,7 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason) {
     def.kind = wire::Command::DEFINE;
     def.hash = c.hash;
     def.graph = std::make_shared<const ir::Graph>(std::move(c.graph));
-    def.executor = executorHint_;
+    def.executor = executor;
     noteNewGraph(c.hash, def.graph, reason);
     queue(std::move(def));
   }
@@ -220,7 +221,7 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason) {
   return first;
 }
 
-Session::CutOutputs Session::cut(const char *reason) {
+Session::CutOutputs Session::cut(const char *reason, const std::string &executor) {
   // Live tensors with pending work, grouped by the value they hold.
   struct Out {
     TraceNode *node;
@@ -267,7 +268,7 @@ Session::CutOutputs Session::cut(const char *reason) {
   std::vector<std::pair<TraceNode *, uint32_t>> outputs;
   for (const Out &o : outs)
     outputs.push_back({o.node, o.index});
-  uint64_t first = queueRun(buildGraph(nodes, outputs), false, reason);
+  uint64_t first = queueRun(buildGraph(nodes, outputs), false, reason, executor);
 
   // The live tensors now hold device data; their traced nodes are released with them.
   for (size_t k = 0; k < outs.size(); ++k) {
@@ -344,9 +345,7 @@ void Session::markStep(bool wait, const char *reason, const std::string &executo
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
   site_ = site;
-  executorHint_ = executor;
-  cut(reason);
-  executorHint_.clear();
+  cut(reason, executor);
   if (wait) {
     Command sync;
     sync.kind = wire::Command::SYNC;

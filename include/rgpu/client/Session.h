@@ -150,7 +150,7 @@ private:
   using CutOutputs = llvm::DenseMap<std::pair<TraceNode *, uint32_t>, llvm::IntrusiveRefCntPtr<DeviceData>>;
   /// Cuts every live pending tensor into one graph and queues its run; returns where each
   /// pending value went.
-  CutOutputs cut(const char *reason);
+  CutOutputs cut(const char *reason, const std::string &executor = "");
   /// A raw graph over traced nodes, with what its Run needs besides the graph.
   struct Traced {
     ir::Graph graph;
@@ -163,7 +163,8 @@ private:
                     llvm::ArrayRef<std::pair<TraceNode *, uint32_t>> outputs);
   /// Canonicalises \p t and queues its Define (if the server lacks it) and its Run; returns the
   /// first output handle.
-  uint64_t queueRun(Traced t, bool replyMetas, const char *reason);
+  uint64_t queueRun(Traced t, bool replyMetas, const char *reason,
+                    const std::string &executor = "");
   /// Records a graph that the server has not seen: cache file, recompile analysis, log.
   void noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph,
                     const char *reason);
@@ -206,7 +207,6 @@ private:
   uint32_t site_ = 0; ///< The user's line whose sync is being served.
   std::vector<ir::Hash128> runsInFrame_;
   LogSink logSink_ = nullptr;
-  std::string executorHint_; ///< For the Defines of the cut in progress.
   bool logDebug_ = false;
   uint64_t recompileWarnAfter_ = 5;
   std::vector<std::string> locations_{std::string()};
