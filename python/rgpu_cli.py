@@ -37,6 +37,7 @@ RUN_HELP = """Runs a program against an rgpu-opserver, through an ssh tunnel to 
 examples:
   rgpu-run --host me@gpu-box -- python train.py
   rgpu-run --server 127.0.0.1:9720 -- python train.py
+  rgpu-run --server 127.0.0.1:9720 python train.py     (the -- is optional)
 
 With --host, opens `ssh -N -L PORT:127.0.0.1:REMOTE_PORT HOST`, waits until the tunnel accepts,
 runs the command with RGPU_OPSERVER pointing at it, and closes the tunnel afterwards.
@@ -90,10 +91,13 @@ def run(argv=None) -> int:
     p.add_argument("-i", dest="identity", help="ssh identity file")
     p.add_argument("--remote-port", type=int, default=9720, help="rgpu-opserver's port (default 9720)")
     p.add_argument("--tunnel-timeout", type=float, default=20, help="seconds to wait for the tunnel")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the program to run, after -- or after the last option")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
         return 2 if e.code else 0
+    command = command or args.command
     if not command:
         p.print_usage(sys.stderr)
         print("rgpu-run: no command given (put it after --)", file=sys.stderr)

@@ -31,6 +31,13 @@ ir::TensorMeta LazyTensorImpl::meta() const {
   return m;
 }
 
+ir::TensorMeta LazyTensorImpl::downloadLayout() const {
+  ir::TensorMeta m = meta();
+  if (is_non_overlapping_and_dense())
+    return m;
+  return ir::TensorMeta::contiguous(m.dtype, m.sizes);
+}
+
 c10::intrusive_ptr<c10::TensorImpl>
 LazyTensorImpl::shallow_copy_and_detach(const c10::VariableVersion &version_counter,
                                         bool allow_tensor_metadata_change) const {

@@ -65,10 +65,13 @@ Session &Session::get() {
   return *session;
 }
 
-Session::Session() {
+Session::Session() { cacheDir_ = wire::defaultCacheDir(); }
+
+std::string Session::server() const {
+  if (!address_.empty())
+    return address_;
   const char *env = std::getenv("RGPU_OPSERVER");
-  address_ = env && *env ? env : "127.0.0.1:9720";
-  cacheDir_ = wire::defaultCacheDir();
+  return env && *env ? env : "127.0.0.1:9720";
 }
 
 void Session::log(int level, const std::string &message) {
@@ -399,6 +402,15 @@ Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta) {
   return Value{nullptr, 0, llvm::IntrusiveRefCntPtr<DeviceData>(new DeviceData(handle, meta))};
 }
 
+void Session::downloadTogether(std::vector<at::Tensor> tensors) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  group_.clear();
+  fetched_.clear();
+  for (at::Tensor &t : tensors)
+    if (lazyImpl(t))
+      group_.push_back(std::move(t));
+}
+
 at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
   uint32_t site = currentLocation();
   std::lock_guard<std::recursive_mutex> lock(mu);
@@ -407,24 +419,69 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
   site_ = site;
   if (impl->value.pending())
     cut("read of a value");
-  Command c;
-  c.kind = wire::Command::DOWNLOAD;
-  c.handle = impl->value.data->handle;
-  c.meta = want;
-  queue(std::move(c));
+  DeviceData *data = impl->value.data.get();
+  if (auto it = fetched_.find(data); it != fetched_.end()) {
+    Fetched &f = it->second;
+    if (f.cpu.defined() && f.cpu.sizes().equals(want.sizes) && f.cpu.strides().equals(want.strides) &&
+        f.cpu.scalar_type() == static_cast<c10::ScalarType>(want.dtype)) {
+      // The first reader takes the tensor; another reader of the same data gets its own copy.
+      if (f.taken)
+        return f.cpu.clone(at::MemoryFormat::Preserve);
+      f.taken = true;
+      return f.cpu;
+    }
+  }
+  // This tensor, and with it every member of the download group that is not fetched yet. The
+  // cut above made every live tensor device data. Members are matched by the data they hold:
+  // `t.detach().cpu()` reads a member through another tensor.
+  std::vector<std::pair<llvm::IntrusiveRefCntPtr<DeviceData>, ir::TensorMeta>> wanted;
+  wanted.push_back({impl->value.data, want});
+  if (!group_.empty()) {
+    std::vector<LazyTensorImpl *> members;
+    bool inGroup = false;
+    for (const at::Tensor &t : group_) {
+      LazyTensorImpl *member = lazyImpl(t);
+      inGroup |= member->value.data.get() == data;
+      members.push_back(member);
+    }
+    for (LazyTensorImpl *member : inGroup ? members : std::vector<LazyTensorImpl *>()) {
+      DeviceData *d = member->value.data.get();
+      if (d && d != data && fetched_.try_emplace(d, Fetched{member->value.data}).second)
+        wanted.push_back({member->value.data, member->downloadLayout()});
+    }
+    if (inGroup) {
+      fetched_.try_emplace(data, Fetched{impl->value.data, at::Tensor(), true});
+      group_.clear();
+    }
+  }
+  for (const auto &[d, layout] : wanted) {
+    Command c;
+    c.kind = wire::Command::DOWNLOAD;
+    c.handle = d->handle;
+    c.meta = layout;
+    queue(std::move(c));
+  }
   Reply reply = flush(true);
-  ++stats.downloads;
-  at::Tensor out = at::empty_strided(want.sizes, want.strides,
-                                     at::TensorOptions().dtype(static_cast<c10::ScalarType>(want.dtype)));
-  if (reply.data.empty())
+  if (reply.data.size() != wanted.size())
     lose("the server did not answer a download");
-  const std::string &bytes = reply.data.back();
-  if (bytes.size() != uint64_t(want.storageBytes()))
-    lose("the server sent " + std::to_string(bytes.size()) + " bytes for a tensor of " +
-         std::to_string(want.storageBytes()));
-  if (!bytes.empty())
-    std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
-  return out;
+  at::Tensor result;
+  for (size_t k = 0; k < wanted.size(); ++k) {
+    const ir::TensorMeta &m = wanted[k].second;
+    const std::string &bytes = reply.data[k];
+    if (bytes.size() != uint64_t(m.storageBytes()))
+      lose("the server sent " + std::to_string(bytes.size()) + " bytes for a tensor of " +
+           std::to_string(m.storageBytes()));
+    at::Tensor out = at::empty_strided(
+        m.sizes, m.strides, at::TensorOptions().dtype(static_cast<c10::ScalarType>(m.dtype)));
+    if (!bytes.empty())
+      std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
+    ++stats.downloads;
+    if (k == 0)
+      result = out;
+    if (auto it = fetched_.find(wanted[k].first.get()); it != fetched_.end())
+      it->second.cpu = out;
+  }
+  return result;
 }
 
 std::vector<std::pair<Value, ir::TensorMeta>>
@@ -472,6 +529,7 @@ void Session::lose(const std::string &why) {
 }
 
 void Session::connect() {
+  address_ = server();
   std::string host;
   int port = 0;
   if (!net::parseHostPort(address_, host, port))

@@ -47,14 +47,6 @@ ir::TensorMeta metaOf(const at::Tensor &t) {
   return m;
 }
 
-/// A dense layout for downloading \p m: its own if it is dense, else contiguous.
-ir::TensorMeta denseLayout(const ir::TensorMeta &m) {
-  at::Tensor probe = at::empty_strided(m.sizes, m.strides, at::TensorOptions().device(at::kMeta));
-  if (probe.is_non_overlapping_and_dense())
-    return m;
-  return ir::TensorMeta::contiguous(m.dtype, m.sizes);
-}
-
 /// Ops whose output shapes depend on tensor data. They cannot be traced ahead: the graph is cut
 /// and the op runs on the server at once, which answers with the output shapes.
 bool isDataDependent(llvm::StringRef name) {
@@ -459,7 +451,7 @@ at::Tensor forUser(at::Tensor t) {
 
 at::Tensor download(const at::Tensor &t) {
   LazyTensorImpl *impl = lazyImpl(t);
-  return Session::get().download(impl, denseLayout(impl->meta()));
+  return Session::get().download(impl, impl->downloadLayout());
 }
 
 /// The special cases. Returns true if it handled the op.
@@ -667,6 +659,11 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     for (at::Tensor &t : outs)
       stack->emplace_back(forUser(std::move(t)));
   }
+  // An rgpu -> rgpu conversion (`x.half()`) comes through functionalization's own _to_copy
+  // kernel, which takes any backend reached with functionalization off for a lazy backend
+  // leaving the pass and returns the result unwrapped. rgpu tensors stay functional.
+  if (name == "aten::_to_copy" && !at::functionalization::impl::isFunctionalTensor(stack->back().toTensor()))
+    stack->back() = at::functionalization::impl::to_functional_tensor(stack->back().toTensor());
   session.maybeCutAtCap();
 }
 

@@ -187,6 +187,12 @@ def _patch_printing():
     # tensors, an rgpu tensor is brought to the CPU once and formatted there.
     import torch._tensor_str as ts
 
+    from ._dense_view import TorchSeeingRgpuAsDense
+
+    # The formatter shows a functionalization wrapper as `_to_functional_tensor(...)`; an rgpu
+    # tensor prints as a tensor with device='rgpu:0', as a CUDA tensor does.
+    if not isinstance(ts.torch, TorchSeeingRgpuAsDense):
+        ts.torch = TorchSeeingRgpuAsDense(torch)
     original = ts._tensor_str
 
     def _tensor_str(self, indent):
@@ -213,3 +219,7 @@ def _patch_copy_into_other_devices():
 
 _patch_printing()
 _patch_copy_into_other_devices()
+
+from . import _transfer  # noqa: E402
+
+_transfer.install()

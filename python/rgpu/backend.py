@@ -15,35 +15,16 @@ rather than failing later on the server.
 import torch
 
 from . import UnsupportedOpError, _C
+from ._dense_view import TorchSeeingRgpuAsDense
 
 _ALLOWED_NAMESPACES = {"aten"}
-
-
-class _TorchSeeingRgpuAsDense:
-    """`torch`, as torch._subclasses.meta_utils sees it, with rgpu tensors not functional.
-
-    Every rgpu tensor is a functionalization wrapper around the lazy tensor (that is how views
-    and in-place ops become a functional graph). Dynamo's fake-tensor conversion treats such
-    wrappers as functorch's own and rebuilds autograd metadata that turns leaf parameters into
-    non-leaves; it exempts XLA and torch._lazy tensors, which are built the same way, by device
-    type. This view of `torch` gives rgpu tensors the same exemption, in that module only.
-    """
-
-    def __init__(self, real):
-        self._real = real
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def _is_functional_tensor(self, t):
-        return t.device.type != "rgpu" and self._real._is_functional_tensor(t)
 
 
 def _exempt_rgpu_from_functional_fakification():
     from torch._subclasses import meta_utils
 
-    if not isinstance(meta_utils.torch, _TorchSeeingRgpuAsDense):
-        meta_utils.torch = _TorchSeeingRgpuAsDense(torch)
+    if not isinstance(meta_utils.torch, TorchSeeingRgpuAsDense):
+        meta_utils.torch = TorchSeeingRgpuAsDense(torch)
 
 
 _exempt_rgpu_from_functional_fakification()

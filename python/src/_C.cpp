@@ -251,6 +251,9 @@ PYBIND11_MODULE(_C, m) {
     out["session"] = session;
     return out;
   });
+  m.def("download_together",
+        [](std::vector<at::Tensor> tensors) { Session::get().downloadTogether(std::move(tensors)); },
+        "The first download of any of these tensors fetches them all in one frame; [] ends it.");
   m.def("read_graph", &readGraph, "A graph cache file (.rgraph) as plain Python data.");
   m.def("is_pending", [](const at::Tensor &t) {
     LazyTensorImpl *impl = lazyImpl(t);

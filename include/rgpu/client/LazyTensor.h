@@ -52,6 +52,8 @@ public:
   ~LazyTensorImpl() override;
 
   ir::TensorMeta meta() const;
+  /// The layout a download of this tensor arrives in: its own if it is dense, else contiguous.
+  ir::TensorMeta downloadLayout() const;
 
   Value value;
   /// Intrusive list of live impls, walked at every cut (guarded by the session lock).

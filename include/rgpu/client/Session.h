@@ -51,9 +51,10 @@ public:
   std::recursive_mutex mu;
   Stats stats;
 
-  /// The server address ("host:port"); takes effect at the next connection.
+  /// The server address ("host:port"); takes effect at the next connection. Until it is set,
+  /// the address is RGPU_OPSERVER as it is when the session connects (else 127.0.0.1:9720).
   void setServer(std::string address) { address_ = std::move(address); }
-  const std::string &server() const { return address_; }
+  std::string server() const;
 
   // Live tensor registry.
   void track(LazyTensorImpl *impl);
@@ -78,6 +79,11 @@ public:
 
   /// The bytes of \p impl, in the layout of \p want (a dense layout of the same sizes).
   at::Tensor download(LazyTensorImpl *impl, const ir::TensorMeta &want);
+  /// Downloads \p tensors together: the first download of any of them fetches all of them in
+  /// one frame, and later downloads of the others are answered from what arrived. Moving a
+  /// model or a state_dict to the CPU then costs one round trip instead of one per tensor.
+  /// Replaces any group already set; an empty list ends the group and drops what it fetched.
+  void downloadTogether(std::vector<at::Tensor> tensors);
   /// Uploads a CPU tensor; the bytes are copied now and sent without waiting for an answer.
   Value upload(const at::Tensor &cpu, ir::TensorMeta &meta);
   /// Runs \p node (whose inputs must all be device data) right away and returns its outputs'
@@ -195,6 +201,15 @@ private:
   uint64_t live_ = 0;
   LazyTensorImpl *head_ = nullptr;
   std::vector<Command> queue_;
+  /// The group set by downloadTogether, and what its first download brought in (keyed by the
+  /// device data they were read from, kept alive so the key stays unique).
+  struct Fetched {
+    llvm::IntrusiveRefCntPtr<DeviceData> data;
+    at::Tensor cpu;
+    bool taken = false;
+  };
+  std::vector<at::Tensor> group_;
+  llvm::DenseMap<DeviceData *, Fetched> fetched_;
   std::vector<uint64_t> releases_;
   std::set<ir::Hash128> defined_;
   /// Per graph hash, the location id of each node at its latest run: a remote error names the

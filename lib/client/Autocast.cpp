@@ -1,0 +1,55 @@
+//===- lib/client/Autocast.cpp - torch.autocast("rgpu") follows CUDA's policy --===//
+//
+// rgpu stands for a remote GPU, so under autocast it casts exactly as CUDA does: the ops of
+// ATen's lower-precision list run in the autocast dtype (float16 by default, bfloat16 when
+// asked), those of its float32 lists (pointwise ops that lose range, reductions, norms,
+// losses, softmax) in float32, and the promote list at the widest input type. ATen's own
+// wrappers do the casting; they run in the client, above functionalization, so the casts are
+// traced like any other op and the server sees plain dtype conversions.
+//
+// Only functional overloads are listed, as for CUDA: an `out=` variant falls through and never
+// casts into a fresh tensor. binary_cross_entropy is refused with CUDA's message.
+//
+//===----------------------------------------------------------------------===//
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/library.h>
+
+namespace {
+
+at::Tensor binaryCrossEntropyRefused(const at::Tensor &, const at::Tensor &,
+                                     const std::optional<at::Tensor> &, int64_t) {
+  AT_ERROR("torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+           "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+           "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+           "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+           "safe to autocast.");
+}
+
+} // namespace
+
+// Every op without an autocast kernel passes through unchanged.
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+
+// The op lists spell their signatures with ATen's unqualified names.
+using at::IntArrayRef;
+using at::Scalar;
+using at::ScalarType;
+using at::Tensor;
+
+#define ADD_NS(RAW_OP) at::RAW_OP
+#define RGPU_LOWER_PRECISION(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define RGPU_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define RGPU_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+#define RGPU_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  AT_FORALL_LOWER_PRECISION_FP(RGPU_LOWER_PRECISION)
+  AT_FORALL_FP32(RGPU_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(RGPU_FP32_SET_OPT_DTYPE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+  AT_FORALL_PROMOTE(RGPU_PROMOTE)
+  m.impl(TORCH_SELECTIVE_NAME("aten::binary_cross_entropy"), TORCH_FN(binaryCrossEntropyRefused));
+}

@@ -1,0 +1,170 @@
+"""Moving, saving and printing rgpu tensors and modules behaves as it does for CUDA tensors."""
+
+import io
+import os
+import sys
+
+import torch
+import torch.nn as nn
+from conftest import same
+
+import rgpu
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from models import TinyGPT, gpt_batch, gpt_optimizer  # noqa: E402
+
+R = "rgpu"
+
+
+class TiedGPT(TinyGPT):
+    """GPT-2's layout: the output layer is the token embedding, one Parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(self.tok.embedding_dim, self.tok.num_embeddings, bias=False)
+        self.head.weight = self.tok.weight
+
+
+def waits():
+    return rgpu.stats()["waits"]
+
+
+def test_a_tied_weight_is_one_parameter_after_moving_to_rgpu_and_back():
+    torch.manual_seed(0)
+    model = TiedGPT()
+    n = len(list(model.parameters()))
+    model.to(R)
+    assert model.head.weight is model.tok.weight
+    assert model.tok.weight.device.type == R
+    assert len(list(model.parameters())) == n
+    model.to("cpu")
+    assert model.head.weight is model.tok.weight
+    assert model.tok.weight.device.type == "cpu"
+
+
+def test_tied_gpt_trains_like_cpu_for_20_adamw_steps_with_warmup():
+    torch.manual_seed(0)
+    cpu = TiedGPT()
+    dev = TiedGPT()
+    dev.load_state_dict(cpu.state_dict())
+    dev.to(R)
+    assert dev.head.weight is dev.tok.weight
+    runs = []
+    for model in (cpu, dev):
+        opt, sched = gpt_optimizer(model)
+        losses = []
+        for step in range(20):
+            idx, targets = gpt_batch(step)
+            device = next(model.parameters()).device
+            loss = model(idx.to(device), targets.to(device))
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append(losses)
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
+    for (name, p), (_, q) in zip(dev.named_parameters(), cpu.named_parameters()):
+        same(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_moving_a_model_to_the_cpu_is_one_round_trip():
+    torch.manual_seed(0)
+    model = TiedGPT().to(R)
+    (model(*[t.to(R) for t in gpt_batch(0)])).backward()
+    rgpu.synchronize()
+    before = waits()
+    model.to("cpu")
+    assert waits() - before == 1
+    assert all(p.device.type == "cpu" and p.grad.device.type == "cpu" for p in model.parameters())
+
+
+def test_a_moved_back_model_has_the_values_it_had_on_rgpu():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).to(R)
+    model(torch.randn(5, 4, device=R))  # changes the running stats on the server
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    model.to("cpu")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_torch_save_of_a_state_dict_is_one_round_trip_and_loads_on_rgpu_or_the_cpu():
+    torch.manual_seed(0)
+    model = TiedGPT().to(R)
+    state = model.state_dict()
+    rgpu.synchronize()
+    before = waits()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    assert waits() - before == 1
+    buf.seek(0)
+    on_rgpu = torch.load(buf)
+    buf.seek(0)
+    on_cpu = torch.load(buf, map_location="cpu")
+    for k, v in state.items():
+        assert on_rgpu[k].device.type == R and on_cpu[k].device.type == "cpu"
+        assert torch.equal(on_cpu[k], v.cpu()) and torch.equal(on_rgpu[k].cpu(), v.cpu())
+
+
+def test_a_saved_rgpu_state_dict_loads_into_a_cpu_model_and_back():
+    torch.manual_seed(0)
+    src = nn.Linear(3, 2).to(R)
+    buf = io.BytesIO()
+    torch.save(src.state_dict(), buf)
+    buf.seek(0)
+    dst = nn.Linear(3, 2)
+    dst.load_state_dict(torch.load(buf, map_location="cpu"))
+    same(src.weight, dst.weight)
+    again = nn.Linear(3, 2).to(R)
+    again.load_state_dict(dst.state_dict())  # from CPU tensors into rgpu parameters
+    same(again.weight, dst.weight)
+    assert again.weight.device.type == R
+
+
+def test_torch_save_keeps_dtype_requires_grad_and_views_values():
+    x = torch.arange(12.0).reshape(3, 4)
+    tensors = {
+        "param": nn.Parameter(x.to(R)),
+        "bf16": x.to(torch.bfloat16).to(R),
+        "int": torch.arange(5).to(R),
+        "transposed": x.to(R).t(),
+        "empty": torch.zeros(0, 3, device=R),
+        "scalar": torch.tensor(3.5).to(R),
+    }
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, map_location="cpu")
+    for k, v in tensors.items():
+        assert loaded[k].dtype == v.dtype and loaded[k].shape == v.shape, k
+        assert torch.equal(loaded[k], v.detach().cpu()), k
+    assert loaded["param"].requires_grad
+
+
+def test_printing_an_rgpu_tensor_looks_like_printing_a_cpu_tensor():
+    cases = [
+        torch.ones(2),
+        torch.zeros(0, 3),
+        torch.tensor([1.5, 2.0], dtype=torch.bfloat16),
+        torch.arange(6).reshape(2, 3),
+        torch.tensor(7.25),
+        torch.tensor([1 + 2j]),
+    ]
+    for cpu in cases:
+        text = repr(cpu.to(R))
+        assert "functional" not in text
+        expected = repr(cpu)
+        # The same text with the device suffix, which torch adds for any non-default device.
+        assert text.replace(", device='rgpu:0'", "").replace("device='rgpu:0', ", "") == expected
+        assert "device='rgpu:0'" in text
+    y = torch.ones(2, device=R, requires_grad=True) * 2
+    assert repr(y) == "tensor([2., 2.], device='rgpu:0', grad_fn=<MulBackward0>)"
+    assert str(nn.Parameter(torch.ones(1).to(R))).startswith("Parameter containing:\ntensor([1.], device='rgpu:0'")
+
+
+def test_half_on_an_rgpu_model_keeps_its_parameters():
+    model = nn.Linear(2, 2).to(R)
+    weight = model.weight
+    model.half()
+    assert model.weight is weight and weight.dtype == torch.float16
