@@ -190,18 +190,17 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   const c10::FunctionSchema &schema = handle->schema();
   if (schema.is_mutable())
     return "refused: the op mutates its inputs; graphs are functional";
+  bool listReturns = false;
   for (const auto &ret : schema.returns()) {
     auto k = ret.type()->kind();
     bool tensorList = k == c10::TypeKind::ListType &&
                       ret.type()->containedType(0)->kind() == c10::TypeKind::TensorType;
     if (k != c10::TypeKind::TensorType && !tensorList)
       return "refused: returns a non-tensor value";
-    if (tensorList && schema.returns().size() != 1)
-      return "unsupported return signature";
+    listReturns |= tensorList;
   }
-  bool listReturn = schema.returns().size() == 1 &&
-                    schema.returns()[0].type()->kind() == c10::TypeKind::ListType;
-  if (!listReturn && schema.returns().size() != n.outputs.size())
+  // A list's length is known only when the op runs; the run checks the total then.
+  if (!listReturns && schema.returns().size() != n.outputs.size())
     return "expects " + std::to_string(schema.returns().size()) + " outputs, graph has " +
            std::to_string(n.outputs.size());
 

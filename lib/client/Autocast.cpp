@@ -7,7 +7,7 @@
 // wrappers do the casting; they run in the client, above functionalization, so the casts are
 // traced like any other op and the server sees plain dtype conversions.
 //
-// Only functional overloads are listed, as for CUDA: an `out=` variant falls through and never
+// Only functional overloads are listed, as for CUDA: an `out=` variant passes through and never
 // casts into a fresh tensor. binary_cross_entropy is refused with CUDA's message.
 //
 //===----------------------------------------------------------------------===//
@@ -28,9 +28,25 @@ at::Tensor binaryCrossEntropyRefused(const at::Tensor &, const at::Tensor &,
 
 } // namespace
 
-// Every op without an autocast kernel passes through unchanged.
+namespace {
+
+/// Every op without an autocast kernel passes through unchanged. A mutating op (`out=`, in-place)
+/// also switches autocast off below it: on CUDA its kernel writes the result directly, while here
+/// functionalization turns it into the functional op plus a copy, and that functional op must
+/// not be cast as if the user had called it.
+void passThrough(const c10::OperatorHandle &op, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
+  constexpr auto below = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER,
+                                             c10::DispatchKey::AutocastPrivateUse1);
+  if (!op.schema().is_mutable())
+    return op.redispatchBoxed(keys & below, stack);
+  c10::impl::ExcludeDispatchKeyGuard off(c10::DispatchKey::AutocastPrivateUse1);
+  op.redispatchBoxed(keys & below, stack);
+}
+
+} // namespace
+
 TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
-  m.fallback(torch::CppFunction::makeFallthrough());
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&passThrough>());
 }
 
 // The op lists spell their signatures with ATen's unqualified names.

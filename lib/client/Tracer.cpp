@@ -80,13 +80,20 @@ bool acceptsCpuTensors(llvm::StringRef name) {
 /// Output metas by everything they can depend on: op, constant arguments, operand metas, scalar
 /// types. Many ops' meta kernels are Python functions (torch's decompositions registered for the
 /// Meta key), ~100 us a call; a training loop repeats the same calls every step.
+/// What a meta call tells: output metas, flattened, and for each return of the op the length of
+/// its list (-1 for a single tensor).
+struct OpMetas {
+  std::vector<ir::TensorMeta> outputs;
+  std::vector<int32_t> listSizes;
+};
+
 class MetaCache {
 public:
-  const std::vector<ir::TensorMeta> *find(const std::string &key) const {
+  const OpMetas *find(const std::string &key) const {
     auto it = map_.find(key);
     return it == map_.end() ? nullptr : &it->second;
   }
-  void insert(std::string key, std::vector<ir::TensorMeta> metas) {
+  void insert(std::string key, OpMetas metas) {
     if (map_.size() >= kMaxEntries)
       map_.clear();
     map_.emplace(std::move(key), std::move(metas));
@@ -94,7 +101,7 @@ public:
 
 private:
   static constexpr size_t kMaxEntries = 1 << 16;
-  std::unordered_map<std::string, std::vector<ir::TensorMeta>> map_;
+  std::unordered_map<std::string, OpMetas> map_;
 };
 
 MetaCache &metaCache() {
@@ -131,11 +138,11 @@ public:
 
   /// Computes output metas on the meta device. Returns false if the op's output shape depends on
   /// data (or it has no meta kernel), in which case the caller runs it on the server at once.
-  bool inferMetas(std::vector<ir::TensorMeta> &outs) {
+  bool inferMetas(OpMetas &outs) {
     if (dataDependent || isDataDependent(name_))
       return false;
     std::string key = cacheKey();
-    if (const std::vector<ir::TensorMeta> *hit = metaCache().find(key)) {
+    if (const OpMetas *hit = metaCache().find(key)) {
       outs = *hit;
       return true;
     }
@@ -164,10 +171,12 @@ public:
         for (const at::Tensor &t : r.toTensorList())
           checkLayout(t);
       if (r.isTensor()) {
-        outs.push_back(metaOf(r.toTensor()));
+        outs.outputs.push_back(metaOf(r.toTensor()));
+        outs.listSizes.push_back(-1);
       } else if (r.isTensorList()) {
         for (const at::Tensor &t : r.toTensorList())
-          outs.push_back(metaOf(t));
+          outs.outputs.push_back(metaOf(t));
+        outs.listSizes.push_back(int32_t(r.toTensorList().size()));
       } else {
         TORCH_CHECK_NOT_IMPLEMENTED(false, "rgpu: ", fullName(op_),
                                     " returns a non-tensor value, which rgpu cannot trace");
@@ -624,7 +633,7 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   const size_t nargs = schema.arguments().size();
   Recorder rec(op, name);
   rec.addArgs(torch::jit::last(*stack, nargs));
-  std::vector<ir::TensorMeta> metas;
+  OpMetas metas;
   bool traced = rec.inferMetas(metas);
   llvm::IntrusiveRefCntPtr<TraceNode> node = rec.node();
   node->location = location;
@@ -632,11 +641,11 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
 
   std::vector<at::Tensor> outs;
   if (traced) {
-    node->node.outputs.assign(metas.begin(), metas.end());
-    for (uint32_t i = 0; i < metas.size(); ++i)
-      outs.push_back(metas[i].dtype == ir::dtype::Undefined
+    node->node.outputs.assign(metas.outputs.begin(), metas.outputs.end());
+    for (uint32_t i = 0; i < metas.outputs.size(); ++i)
+      outs.push_back(metas.outputs[i].dtype == ir::dtype::Undefined
                          ? at::Tensor()
-                         : makeLazy(Value{node, i, nullptr}, metas[i]));
+                         : makeLazy(Value{node, i, nullptr}, metas.outputs[i]));
   } else {
     size_t count = schema.returns().size();
     TORCH_CHECK_NOT_IMPLEMENTED(
@@ -646,18 +655,20 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     node->node.outputs.assign(count, ir::TensorMeta());
     for (auto &[value, meta] : session.runNow(node))
       outs.push_back(makeLazy(std::move(value), meta));
+    metas.listSizes.assign(count, -1);
   }
   torch::jit::drop(*stack, nargs);
-  bool listReturn = schema.returns().size() == 1 &&
-                    schema.returns()[0].type()->kind() == c10::TypeKind::ListType;
-  if (listReturn) {
+  // Outputs are flat; each return takes one tensor or its list's length of them.
+  size_t next = 0;
+  for (int32_t size : metas.listSizes) {
+    if (size < 0) {
+      stack->emplace_back(forUser(std::move(outs[next++])));
+      continue;
+    }
     c10::List<at::Tensor> list;
-    for (at::Tensor &t : outs)
-      list.push_back(forUser(std::move(t)));
+    for (int32_t k = 0; k < size; ++k)
+      list.push_back(forUser(std::move(outs[next++])));
     stack->emplace_back(std::move(list));
-  } else {
-    for (at::Tensor &t : outs)
-      stack->emplace_back(forUser(std::move(t)));
   }
   // An rgpu -> rgpu conversion (`x.half()`) comes through functionalization's own _to_copy
   // kernel, which takes any backend reached with functionalization off for a lazy backend

@@ -220,6 +220,7 @@ def _patch_copy_into_other_devices():
 _patch_printing()
 _patch_copy_into_other_devices()
 
-from . import _transfer  # noqa: E402
+from . import _fused, _transfer  # noqa: E402
 
 _transfer.install()
+_fused.install()

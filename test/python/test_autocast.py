@@ -37,7 +37,7 @@ def test_matmuls_run_in_lower_precision_and_softmax_norms_and_losses_in_float32(
         normed = ln(mm)
         loss = F.mse_loss(mm, torch.zeros_like(mm))
         summed = mm.sum()
-        promoted = torch.addcmul(mm, ar[:, :5], br[:5].t())
+        promoted = torch.addcmul(mm, ar[:, :5], br[:4])
         elementwise = mm + 1
     assert mm.dtype == lin.dtype == elementwise.dtype == dtype
     assert sm.dtype == normed.dtype == loss.dtype == summed.dtype == torch.float32

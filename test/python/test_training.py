@@ -158,3 +158,34 @@ def test_freed_tensors_are_released_without_extra_messages():
     after = rgpu.stats()
     assert after["messages"] - before["messages"] == 1
     assert after["live_tensors"] < before["live_tensors"] - 90
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd", "adagrad"])
+def test_fused_optimizers_match_cpu_and_an_lr_schedule_ships_no_new_graph(kind):
+    def make(params):
+        if kind == "adamw":
+            return torch.optim.AdamW(params, lr=1e-2, fused=True)
+        if kind == "adam":
+            return torch.optim.Adam(params, lr=1e-2, fused=True, weight_decay=0.1)
+        if kind == "sgd":
+            return torch.optim.SGD(params, lr=1e-2, momentum=0.9, fused=True)
+        return torch.optim.Adagrad(params, lr=1e-2, fused=True)
+
+    cpu, dev = twins(lambda: nn.Linear(4, 3))
+    runs = []
+    for m, device in ((cpu, "cpu"), (dev, R)):
+        opt = make(m.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+        shipped = []
+        for step in range(5):
+            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+            loss = (m(x.to(device)) ** 2).mean()
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            loss.item()
+            shipped.append(rgpu.stats()["graphs_shipped"])
+        runs.append(shipped)
+    assert_params_match(dev, cpu)
+    assert runs[1][-1] == runs[1][2], runs[1]  # later steps reuse the graphs of the first ones
