@@ -133,6 +133,25 @@ void callWithSessionGenerator(const c10::OperatorHandle &op, torch::jit::Stack &
   global.set_state(saved);
 }
 
+/// Gives a kernel's output the dtype and size its meta kernel promised, which is what the client
+/// believes it holds. Some kernels disagree with their meta kernels on this device: CPU's
+/// layer and batch norms keep bf16 statistics where the meta kernels (like CUDA's kernels)
+/// promise float32, and batch norm in eval mode returns empty saved statistics where the meta
+/// kernels promise one per channel (those are never read; they come back as zeros). Any other
+/// disagreement is left for the output check, which names it.
+void conformToMeta(at::Tensor &t, const ir::TensorMeta &m) {
+  c10::ScalarType want = toScalarType(m.dtype);
+  bool sameSizes = t.sizes().equals(m.sizes);
+  if (sameSizes && t.scalar_type() == want)
+    return;
+  if (sameSizes) {
+    t = t.to(want);
+    return;
+  }
+  if (t.numel() == 0)
+    t = at::zeros(m.sizes, t.options().dtype(want));
+}
+
 } // namespace
 
 at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta) {
@@ -344,6 +363,15 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   }
   if (a != n.args.size())
     return "too many arguments for " + schema.name();
+  if (base == "aten::native_layer_norm_backward" || base == "aten::native_batch_norm_backward") {
+    for (size_t i = 0; i < schema.arguments().size(); ++i) {
+      const std::string &arg = schema.arguments()[i].name();
+      if (arg == "input")
+        step.statDtypeSlot = i;
+      if (arg == "mean" || arg == "rstd" || arg == "save_mean" || arg == "save_invstd")
+        step.statSlots.push_back(i);
+    }
+  }
   steps_.push_back(std::move(step));
   return "";
 }
@@ -430,6 +458,16 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
           case Slot::Device: stack.push_back(ctx.device); break;
           }
         }
+        // The statistics are float32 as the meta kernels promise (conformToMeta); CPU's
+        // backward kernels of bf16/fp16 norms want them in the input's dtype, as its forward
+        // kernels made them.
+        if (!step.statSlots.empty() && ctx.device.is_cpu()) {
+          c10::ScalarType want = stack[step.statDtypeSlot].toTensor().scalar_type();
+          for (uint32_t i : step.statSlots)
+            if (stack[i].isTensor() && stack[i].toTensor().defined() &&
+                stack[i].toTensor().scalar_type() != want)
+              stack[i] = stack[i].toTensor().to(want);
+        }
         if (step.seeded)
           callWithSessionGenerator(*step.op, stack, ctx);
         else
@@ -445,12 +483,13 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
           }
         }
         for (uint32_t k = step.firstOutput; k < out; ++k) {
-          const at::Tensor &t = values[k].tensor;
+          at::Tensor &t = values[k].tensor;
           if (!t.defined())
             continue;
           if (t.layout() != at::kStrided)
             throw std::runtime_error("returned a non-strided tensor; rgpu supports strided "
                                      "tensors only");
+          conformToMeta(t, *metas_[k]);
         }
         if (out != step.firstOutput + step.numOutputs)
           throw std::runtime_error("produced " + std::to_string(out - step.firstOutput) +

@@ -81,6 +81,10 @@ private:
     /// A random op with no generator argument: it draws from the process default generator,
     /// which is swapped for the session's around it.
     bool seeded = false;
+    /// Norm backward ops whose CPU kernels take their saved statistics in the input's dtype:
+    /// the slots of those statistics, and of the input whose dtype they get (see Plan.cpp).
+    std::vector<uint32_t> statSlots;
+    uint32_t statDtypeSlot = 0;
     std::vector<uint32_t> release; // values whose last use is this step
   };
 

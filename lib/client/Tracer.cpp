@@ -670,12 +670,26 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
       list.push_back(forUser(std::move(outs[next++])));
     stack->emplace_back(std::move(list));
   }
-  // An rgpu -> rgpu conversion (`x.half()`) comes through functionalization's own _to_copy
-  // kernel, which takes any backend reached with functionalization off for a lazy backend
-  // leaving the pass and returns the result unwrapped. rgpu tensors stay functional.
-  if (name == "aten::_to_copy" && !at::functionalization::impl::isFunctionalTensor(stack->back().toTensor()))
-    stack->back() = at::functionalization::impl::to_functional_tensor(stack->back().toTensor());
   session.maybeCutAtCap();
+}
+
+/// `x.half()` on an rgpu tensor: functionalization's own _to_copy kernel takes every backend it
+/// reaches with functionalization off for a lazy backend leaving the pass (torch._lazy's
+/// convention), and returns the result unwrapped. rgpu tensors stay functional: this kernel sits
+/// just above functionalization (ADInplaceOrView, which has no kernel of its own for _to_copy)
+/// and wraps what an rgpu -> rgpu conversion of a functional tensor returned bare.
+void toCopyStaysFunctional(const c10::OperatorHandle &op, c10::DispatchKeySet keys,
+                           torch::jit::Stack *stack) {
+  namespace fz = at::functionalization::impl;
+  const size_t nargs = op.schema().arguments().size();
+  const at::Tensor self = (*stack)[stack->size() - nargs].toTensor();
+  bool functionalRgpu = self.device().is_privateuseone() && fz::isFunctionalTensor(self);
+  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER,
+                                                c10::DispatchKey::ADInplaceOrView),
+                     stack);
+  at::Tensor out = stack->back().toTensor();
+  if (functionalRgpu && out.device().is_privateuseone() && !fz::isFunctionalTensor(out))
+    stack->back() = fz::to_functional_tensor(out);
 }
 
 /// rgpu has one logical device and no streams: a guard has nothing to switch.
@@ -762,6 +776,10 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, rgpu::client::GuardImpl);
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&rgpu::client::fallback>());
+}
+
+TORCH_LIBRARY_IMPL(aten, ADInplaceOrView, m) {
+  m.impl("_to_copy", torch::CppFunction::makeFromBoxedFunction<&rgpu::client::toCopyStaysFunctional>());
 }
 
 // Composite kernels would otherwise win over the fallback for these; rgpu needs to see them whole.

@@ -1,0 +1,128 @@
+"""Whole models as people train them: a ResNet-18 with BatchNorm, a GPT cast wholly to bf16."""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import same
+
+import rgpu  # noqa: F401
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from models import TinyGPT, gpt_batch  # noqa: E402
+
+R = "rgpu"
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet18(nn.Module):
+    """torchvision's resnet18 layout (torchvision is not installed beside this torch)."""
+
+    def __init__(self, classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        layers, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        x = self.layers(x)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def test_resnet18_trains_5_steps_with_batchnorm_like_cpu():
+    torch.manual_seed(0)
+    cpu = ResNet18()
+    dev = copy.deepcopy(cpu).to(R)
+    runs = []
+    for model in (cpu, dev):
+        device = next(model.parameters()).device
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        losses = []
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(4, 3, 32, 32, generator=g)
+            y = torch.randint(0, 10, (4,), generator=g)
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs.append(losses)
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-4)
+    for (name, b), (_, c) in zip(dev.named_buffers(), cpu.named_buffers()):
+        same(b, c, rtol=1e-3, atol=1e-4)
+    dev.eval()
+    cpu.eval()
+    x = torch.randn(2, 3, 32, 32)
+    same(dev(x.to(R)), cpu(x), rtol=1e-3, atol=1e-3)
+
+
+def test_a_gpt_cast_wholly_to_bf16_trains_like_cpu_bf16():
+    torch.manual_seed(0)
+    cpu = TinyGPT().to(torch.bfloat16)
+    dev = copy.deepcopy(cpu).to(R)
+    runs = []
+    for model in (cpu, dev):
+        device = next(model.parameters()).device
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(5):
+            idx, targets = gpt_batch(step)
+            loss = model(idx.to(device), targets.to(device))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append(losses)
+    assert all(p.dtype == torch.bfloat16 for p in dev.parameters())
+    torch.testing.assert_close(runs[1], runs[0], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("training", [True, False])
+def test_norm_statistics_come_back_as_the_client_was_promised(dtype, training):
+    # CPU's kernels keep bf16/fp16 statistics (and none at all in eval mode) where the meta
+    # kernels promise float32 per channel; the server gives the client what it was promised.
+    x = torch.randn(6, 4, dtype=dtype)
+    w, rm, rv = torch.ones(4, dtype=dtype), torch.zeros(4, dtype=dtype), torch.ones(4, dtype=dtype)
+    outs = [
+        torch.native_layer_norm(x.to(R), [4], w.to(R), w.to(R), 1e-5),
+        torch.native_batch_norm(x.to(R), w.to(R), w.to(R), rm.to(R), rv.to(R), training, 0.1, 1e-5),
+    ]
+    expected = [
+        torch.native_layer_norm(x, [4], w, w, 1e-5),
+        torch.native_batch_norm(x, w, w, rm.clone(), rv.clone(), training, 0.1, 1e-5),
+    ]
+    for got, want in zip(outs, expected):
+        same(got[0], want[0], rtol=1e-2, atol=1e-2)
+        for stat, ref in zip(got[1:], want[1:]):
+            cpu = stat.cpu()
+            assert cpu.dtype == stat.dtype and cpu.shape == stat.shape
+            if ref.numel():
+                torch.testing.assert_close(cpu, ref.to(cpu.dtype), rtol=1e-2, atol=1e-2)
