@@ -217,8 +217,26 @@ def _patch_copy_into_other_devices():
     torch.Tensor.copy_ = copy_
 
 
+def _refuse_local_inductor():
+    # torch.compile's default backend compiles for this machine and fails deep inside Inductor
+    # (KeyError: 'rgpu') on tensors it cannot place; say what to use instead.
+    wrapper = torch._TorchCompileInductorWrapper
+    original = wrapper.__call__
+
+    def __call__(self, model_, inputs_, **kwargs):
+        if any(isinstance(t, torch.Tensor) and t.device.type == "rgpu" for t in inputs_):
+            raise UnsupportedOpError(
+                "torch.compile with the default backend (inductor) compiles for this machine and "
+                "cannot run rgpu tensors; use torch.compile(model, backend=\"rgpu\"), which "
+                "compiles the graph with Inductor on rgpu-opserver")
+        return original(self, model_, inputs_, **kwargs)
+
+    wrapper.__call__ = __call__
+
+
 _patch_printing()
 _patch_copy_into_other_devices()
+_refuse_local_inductor()
 
 from . import _fused, _transfer  # noqa: E402
 

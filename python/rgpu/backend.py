@@ -47,10 +47,10 @@ def check_ops(gm, stage):
                 f"torch.compile(backend='rgpu'): the {stage} graph uses {target.name()}, a "
                 f"higher-order op that rgpu-opserver cannot run{_where(node)}")
         if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-            ns = target.namespace
-            if ns not in _ALLOWED_NAMESPACES:
-                name = target.name() if isinstance(target, torch._ops.OpOverload) else \
-                    f"{ns}::{target.__name__}"
+            # A packet (`torch.ops.ns.op`, no overload) answers attribute lookups with overloads.
+            name = target.name() if isinstance(target, torch._ops.OpOverload) else \
+                target._qualified_op_name
+            if name.split("::")[0] not in _ALLOWED_NAMESPACES:
                 raise UnsupportedOpError(
                     f"torch.compile(backend='rgpu'): the {stage} graph calls {name}, which is "
                     f"not an aten op; rgpu-opserver runs aten ops only. Call it outside the "

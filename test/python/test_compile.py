@@ -131,6 +131,28 @@ def test_a_custom_op_raises_at_compile_time_naming_it():
     assert rgpu.UnsupportedOpError in chain, chain
 
 
+def raised_chain(info):
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(type(e))
+        e = e.__cause__ or e.__context__
+    return chain
+
+
+def test_a_custom_op_called_through_torch_ops_raises_naming_it():
+    f = torch.compile(lambda x: torch.ops.rgputest.twice(x) + 1, backend="rgpu")
+    with pytest.raises(Exception, match="rgputest::twice") as info:
+        f(torch.ones(3, device="rgpu"))
+    assert rgpu.UnsupportedOpError in raised_chain(info)
+
+
+def test_the_default_backend_on_rgpu_tensors_says_to_use_backend_rgpu():
+    f = torch.compile(lambda x: x.sin() + 1)
+    with pytest.raises(Exception, match='backend="rgpu"') as info:
+        f(torch.ones(3, device="rgpu"))
+    assert rgpu.UnsupportedOpError in raised_chain(info)
+
+
 def test_compile_backend_options():
     torch.manual_seed(0)
     cpu = mlp()

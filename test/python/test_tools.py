@@ -112,6 +112,21 @@ def test_rgpu_run_passes_the_server_and_the_exit_status(server):
     assert trains.returncode == 0 and trains.stdout.strip() == "3.0", trains.stderr
 
 
+def test_rgpu_run_takes_the_command_without_a_double_dash(server):
+    r = rgpu_run("--server", server.address, sys.executable, "-c",
+                 "import os, sys; print(os.environ['RGPU_OPSERVER']); sys.exit(3)")
+    assert r.returncode == 3 and r.stdout.strip() == server.address, r.stderr
+
+
+def test_rgpu_opserver_set_after_import_is_read_when_the_session_opens(server):
+    code = ("import os, torch, rgpu\n"
+            f"os.environ['RGPU_OPSERVER'] = '{server.address}'\n"
+            "print(torch.ones(2, device='rgpu').sum().item())")
+    env = dict(os.environ, RGPU_OPSERVER="127.0.0.1:1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "2.0", r.stderr
+
+
 def test_rgpu_run_usage_errors():
     assert rgpu_run("--server", "127.0.0.1:1").returncode == 2
     assert rgpu_run("--", "true").returncode == 2
