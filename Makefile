@@ -24,7 +24,7 @@ deps:
 $(VENV)/.stamp:
 	$(PYTHON_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)" numpy pytest expecttest cmake ninja setuptools
+	$(PY) -m pip install -q "$(TORCH_PIN)" numpy pytest expecttest cmake ninja setuptools safetensors
 	touch $@
 
 venv: $(VENV)/.stamp

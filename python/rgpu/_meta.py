@@ -6,10 +6,11 @@ fails as in eager. torch registers Python meta kernels for ~170 in-place ops, an
 `_foreach_*_` ops call them once per parameter: on the small GPT's AdamW step that cost ~13 ms
 of Python per step, four times the whole eager step.
 
-The check depends only on the arguments' shapes, strides, dtypes and constant values, and on
-the scalar arguments' types. This module wraps each of those Meta kernels with a memo of
-argument signatures that passed: a signature seen before returns `self` at once; anything new
-(and anything with symbolic shapes) runs the original kernel, which raises as before.
+The check depends only on the arguments' shapes, strides, dtypes, constant values (ints and
+bools included), and on the floating scalar arguments' types. This module wraps each of those
+Meta kernels with a memo of argument signatures that passed: a signature seen before returns at
+once; anything new (and anything with symbolic shapes) runs the original kernel, which raises
+as before. Kernels that change their tensor's metadata (`transpose_`, `resize_`) are left alone.
 """
 
 import warnings
@@ -34,8 +35,10 @@ def _signature(args, kwargs):
             if inner is None:
                 return None
             parts.append(inner)
-        elif isinstance(a, (bool, int, float, complex)):
-            parts.append(type(a))
+        elif isinstance(a, (bool, int)):
+            parts.append((type(a), a))  # dims and sizes decide what the check accepts
+        elif isinstance(a, (float, complex)):
+            parts.append(type(a))  # values (lr, alpha) change every step; the check ignores them
         elif a is None or isinstance(a, (str, torch.dtype, torch.device, torch.layout,
                                          torch.memory_format)):
             parts.append(a)
@@ -80,5 +83,9 @@ def memoize_inplace_meta_checks():
                 name = op._schema.name.split("::")[1]
                 overload = "" if op._overloadname == "default" else "." + op._overloadname
                 if not name.endswith("_") or f"aten/{name}{overload}/Meta" not in registered:
+                    continue
+                # Kernels that change their tensor's sizes or strides (transpose_, resize_) must
+                # run every time: skipping them would leave the metadata unchanged.
+                if torch.Tag.inplace_view in op.tags or name.startswith(("resize", "set_")):
                     continue
                 _lib.impl(op, _memoized(fn))

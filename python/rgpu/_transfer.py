@@ -13,6 +13,10 @@ Three things differ from a CUDA tensor, and each is handled here:
 * **Saving.** An rgpu tensor has no CPU-readable storage, so it pickles the way XLA tensors do:
   as its CPU value with the device name, rebuilt on rgpu by ``torch.load`` (which honours
   ``map_location``). ``torch.save`` fetches every rgpu tensor of what it saves in one frame.
+  Savers that tell shared tensors apart by their storage's address (safetensors,
+  ``save_pretrained``) get an address that, like a CUDA device pointer, is not readable here:
+  equal for tensors that share storage (views, tied weights), different otherwise; a tensor's
+  ``data_ptr()`` is that address plus its offset, as for CUDA.
 """
 
 import contextlib
@@ -135,7 +139,27 @@ def _save(obj, *args, **kwargs):
         return _original_save(obj, *args, **kwargs)
 
 
+_original_storage_data_ptr = torch.UntypedStorage.data_ptr
+
+
+def _storage_data_ptr(self):
+    if self.device.type == "rgpu":
+        return self._cdata  # the storage's identity; its bytes are on the server
+    return _original_storage_data_ptr(self)
+
+
+_original_tensor_data_ptr = torch.Tensor.data_ptr
+
+
+def _tensor_data_ptr(self):
+    if self.device.type == "rgpu":
+        return self.untyped_storage().data_ptr() + self.storage_offset() * self.element_size()
+    return _original_tensor_data_ptr(self)
+
+
 def install():
+    torch.UntypedStorage.data_ptr = _storage_data_ptr
+    torch.Tensor.data_ptr = functools.wraps(_original_tensor_data_ptr)(_tensor_data_ptr)
     torch.nn.Module._apply = _apply
     torch.Tensor._reduce_ex_internal = _reduce_ex_internal
     torch.save = torch.serialization.save = _save

@@ -4,6 +4,7 @@ import io
 import os
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 from conftest import same
@@ -168,3 +169,21 @@ def test_half_on_an_rgpu_model_keeps_its_parameters():
     weight = model.weight
     model.half()
     assert model.weight is weight and weight.dtype == torch.float16
+
+
+def test_safetensors_saves_rgpu_tensors_and_tells_shared_ones_apart(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 4), torch.randn(3, 4)  # same size: must not look shared
+    ra, rb = a.to(R), b.to(R)
+    assert ra.untyped_storage().data_ptr() != rb.untyped_storage().data_ptr()
+    assert ra.untyped_storage().data_ptr() == ra.view(12).untyped_storage().data_ptr()
+    st.save_file({"a": ra, "b": rb}, tmp_path / "t.safetensors")
+    loaded = st.load_file(tmp_path / "t.safetensors")
+    assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"], b)
+    model = TiedGPT().to(R)
+    st.save_model(model, tmp_path / "m.safetensors")  # drops the tied duplicate, as for CUDA
+    fresh = TiedGPT()
+    st.load_model(fresh, tmp_path / "m.safetensors")
+    for (name, p), (_, q) in zip(fresh.named_parameters(), model.named_parameters()):
+        same(q, p, rtol=0, atol=0)

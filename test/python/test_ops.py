@@ -183,3 +183,17 @@ def test_layouts_follow_cpu_eager():
         assert fn(r).is_contiguous() == fn(x).is_contiguous()
     assert r.t().cpu().stride() == x.t().stride()
     assert (r.t() * 2).cpu().stride() == (x.t() * 2).stride()
+
+
+def test_meta_kernels_that_resize_in_place_give_the_right_shape_every_time():
+    # linalg_solve_triangular's meta kernel resizes its result in place; a memo of in-place
+    # meta checks once skipped the resize and left the previous call's shape.
+    A = torch.randn(3, 3).triu() + 3 * torch.eye(3)
+    B = torch.randn(3, 1)
+    for unit in (True, False, True):
+        expected = torch.linalg.solve_triangular(A, B, upper=True, unitriangular=unit)
+        actual = torch.linalg.solve_triangular(A.to("rgpu"), B.to("rgpu"), upper=True, unitriangular=unit)
+        same(actual, expected, rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 3, 4)
+    for dims in ((0, 1), (1, 2), (0, 2)):
+        same(x.to("rgpu").transpose_(*dims), x.clone().transpose_(*dims))
