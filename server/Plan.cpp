@@ -157,7 +157,13 @@ void conformToMeta(at::Tensor &t, const ir::TensorMeta &m) {
 at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta) {
   if (!t.defined() || (t.strides().equals(meta.strides) && t.storage_offset() == 0))
     return t;
+  // The copy keeps the math bits the client believes this value has (a `_conj` view of a
+  // slice, say): the client resolves them where CPU eager would.
   at::Tensor r = at::empty_strided(meta.sizes, meta.strides, t.options());
+  if (t.is_conj())
+    r = at::_conj(r);
+  if (t.is_neg())
+    r = at::_neg_view(r);
   r.copy_(t);
   return r;
 }

