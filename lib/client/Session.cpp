@@ -444,13 +444,13 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
       inGroup |= member->value.data.get() == data;
       members.push_back(member);
     }
-    for (LazyTensorImpl *member : inGroup ? members : std::vector<LazyTensorImpl *>()) {
-      DeviceData *d = member->value.data.get();
-      if (d && d != data && fetched_.try_emplace(d, Fetched{member->value.data}).second)
-        wanted.push_back({member->value.data, member->downloadLayout()});
-    }
     if (inGroup) {
       fetched_.try_emplace(data, Fetched{impl->value.data, at::Tensor(), true});
+      for (LazyTensorImpl *member : members) {
+        DeviceData *d = member->value.data.get();
+        if (d && fetched_.try_emplace(d, Fetched{member->value.data}).second)
+          wanted.push_back({member->value.data, member->downloadLayout()});
+      }
       group_.clear();
     }
   }

@@ -97,9 +97,6 @@ bool acceptsCpuTensors(llvm::StringRef name) {
          name == "aten::_index_put_impl";
 }
 
-/// Output metas by everything they can depend on: op, constant arguments, operand metas, scalar
-/// types. Many ops' meta kernels are Python functions (torch's decompositions registered for the
-/// Meta key), ~100 us a call; a training loop repeats the same calls every step.
 /// What a meta call tells: output metas, flattened, and for each return of the op the length of
 /// its list (-1 for a single tensor).
 struct OpMetas {
@@ -108,6 +105,9 @@ struct OpMetas {
   std::vector<int32_t> listSizes;
 };
 
+/// Output metas by everything they can depend on: op, constant arguments, operand metas and math
+/// bits, scalar types. Many ops' meta kernels are Python functions (torch's decompositions
+/// registered for the Meta key), ~100 us a call; a training loop repeats the same calls every step.
 class MetaCache {
 public:
   const OpMetas *find(const std::string &key) const {
