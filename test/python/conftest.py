@@ -106,3 +106,19 @@ def same(actual, expected, rtol=1e-5, atol=1e-6):
         assert actual.device.type == "rgpu", actual.device
         actual = actual.cpu()
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def train_losses(model, optimizer, loss_at, steps, scheduler=None):
+    """Trains `model` where its parameters live; `loss_at(model, step, device)` gives a step's
+    loss. Returns the losses, read with .item() each step."""
+    device = next(model.parameters()).device
+    losses = []
+    for step in range(steps):
+        loss = loss_at(model, step, device)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import same
+from conftest import same, train_losses
 
 import rgpu  # noqa: F401
 
@@ -16,6 +16,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 from models import TinyGPT, gpt_batch  # noqa: E402
 
 R = "rgpu"
+
+
+def gpt_loss(model, step, device):
+    idx, targets = gpt_batch(step)
+    return model(idx.to(device), targets.to(device))
 
 
 class BasicBlock(nn.Module):
@@ -59,21 +64,15 @@ def test_resnet18_trains_5_steps_with_batchnorm_like_cpu():
     torch.manual_seed(0)
     cpu = ResNet18()
     dev = copy.deepcopy(cpu).to(R)
-    runs = []
-    for model in (cpu, dev):
-        device = next(model.parameters()).device
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-        losses = []
-        for step in range(5):
-            g = torch.Generator().manual_seed(step)
-            x = torch.randn(4, 3, 32, 32, generator=g)
-            y = torch.randint(0, 10, (4,), generator=g)
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        runs.append(losses)
+
+    def loss_at(model, step, device):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 3, 32, 32, generator=g)
+        y = torch.randint(0, 10, (4,), generator=g)
+        return F.cross_entropy(model(x.to(device)), y.to(device))
+
+    runs = [train_losses(m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
+                         loss_at, 5) for m in (cpu, dev)]
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-4)
     for (name, b), (_, c) in zip(dev.named_buffers(), cpu.named_buffers()):
         same(b, c, rtol=1e-3, atol=1e-4)
@@ -87,19 +86,7 @@ def test_a_gpt_cast_wholly_to_bf16_trains_like_cpu_bf16():
     torch.manual_seed(0)
     cpu = TinyGPT().to(torch.bfloat16)
     dev = copy.deepcopy(cpu).to(R)
-    runs = []
-    for model in (cpu, dev):
-        device = next(model.parameters()).device
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for step in range(5):
-            idx, targets = gpt_batch(step)
-            loss = model(idx.to(device), targets.to(device))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        runs.append(losses)
+    runs = [train_losses(m, torch.optim.SGD(m.parameters(), lr=0.1), gpt_loss, 5) for m in (cpu, dev)]
     assert all(p.dtype == torch.bfloat16 for p in dev.parameters())
     torch.testing.assert_close(runs[1], runs[0], rtol=2e-2, atol=2e-2)
 

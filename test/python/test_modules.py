@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-from conftest import same
+from conftest import same, train_losses
 
 import rgpu
 
@@ -50,20 +50,15 @@ def test_tied_gpt_trains_like_cpu_for_20_adamw_steps_with_warmup():
     dev.load_state_dict(cpu.state_dict())
     dev.to(R)
     assert dev.head.weight is dev.tok.weight
+
+    def loss_at(model, step, device):
+        idx, targets = gpt_batch(step)
+        return model(idx.to(device), targets.to(device))
+
     runs = []
-    for model in (cpu, dev):
-        opt, sched = gpt_optimizer(model)
-        losses = []
-        for step in range(20):
-            idx, targets = gpt_batch(step)
-            device = next(model.parameters()).device
-            loss = model(idx.to(device), targets.to(device))
-            loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        runs.append(losses)
+    for m in (cpu, dev):
+        opt, sched = gpt_optimizer(m)
+        runs.append(train_losses(m, opt, loss_at, 20, sched))
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
     for (name, p), (_, q) in zip(dev.named_parameters(), cpu.named_parameters()):
         same(p, q, rtol=1e-4, atol=1e-5)
