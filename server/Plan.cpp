@@ -240,6 +240,8 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
                              [](const c10::Argument &a) {
                                return a.type()->str().find("Generator") != std::string::npos;
                              });
+  llvm::StringRef bare = base.drop_front(6); // after "aten::"
+  step.zeroFill = bare.startswith("empty") || bare.startswith("new_empty");
   c10::OperatorName runName = viewFor(name);
   step.op = runName == name ? *handle : *c10::Dispatcher::singleton().findSchema(runName);
 
@@ -495,6 +497,8 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
           if (t.layout() != at::kStrided)
             throw std::runtime_error("returned a non-strided tensor; rgpu supports strided "
                                      "tensors only");
+          if (step.zeroFill)
+            t.zero_();
           if (exactLayout) // else the graph's metas are placeholders the run will answer
             conformToMeta(t, *metas_[k]);
         }

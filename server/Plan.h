@@ -81,6 +81,9 @@ private:
     /// A random op with no generator argument: it draws from the process default generator,
     /// which is swapped for the session's around it.
     bool seeded = false;
+    /// An op of the `empty` family: its outputs are zero-filled, so no session ever reads
+    /// bytes that it did not write (memory is reused across sessions).
+    bool zeroFill = false;
     /// Norm backward ops whose CPU kernels take their saved statistics in the input's dtype:
     /// the slots of those statistics, and of the input whose dtype they get (see Plan.cpp).
     std::vector<uint32_t> statSlots;

@@ -207,8 +207,14 @@ FrameOutcome Session::handle(const net::Frame &frame) {
       notes.set(i, notes_[i]);
     notes_.clear();
   }
+  // Tensor bytes are not packed: a mostly-zero tensor packs a thousandfold, and the client bounds
+  // how far a packed frame may expand (every result counts, not only the first: a Hello's reply
+  // comes before the data of a session's first download).
+  uint64_t dataBytes = 0;
+  for (const ResultItem &item : results)
+    dataBytes += item.data.size();
   outcome.reply = net::encodeFrame(reply, frame.bytes < (1u << 16) && results.size() <= 4 &&
-                                              (results.empty() || results[0].data.size() < 4096));
+                                              dataBytes < 4096);
   return outcome;
 }
 
@@ -286,13 +292,16 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     ErrorPtr e = refused != refused_.end() ? refused->second
                                            : sessionError("unknown graph " + hash.hex());
     fail(e);
-    poisonAll(e, r.getNumOutputs());
+    // Without a graph there is no output count to check numOutputs against: poison at most
+    // the limit, so a 100-byte Run cannot bind millions of handles.
+    poisonAll(e, std::min<uint64_t>(r.getNumOutputs(), wire::Limits().maxRunOutputs));
     return;
   }
   const ir::Graph &g = plan->graph();
-  if (r.getInputs().size() != g.inputs.size() || r.getScalars().size() != g.scalars.size()) {
+  if (r.getInputs().size() != g.inputs.size() || r.getScalars().size() != g.scalars.size() ||
+      r.getNumOutputs() != g.outputs.size()) {
     auto e = sessionError("run of graph " + hash.hex().substr(0, 12) +
-                           " has the wrong number of inputs");
+                           " has the wrong number of inputs, scalars or outputs");
     fail(e);
     poisonAll(e, g.outputs.size());
     return;
@@ -386,15 +395,35 @@ void Session::upload(wire::Upload::Reader r) {
   uint64_t handle = r.getHandle();
   ir::TensorMeta meta;
   auto data = r.getData();
-  if (!wire::decodeMeta(r.getMeta(), meta) || uint64_t(meta.storageBytes()) != r.getTotal() ||
-      r.getOffset() + data.size() > r.getTotal()) {
-    auto e = sessionError("malformed upload for handle " + std::to_string(handle));
+  const uint64_t total = r.getTotal(), offset = r.getOffset();
+  auto found = partial_.find(handle);
+  Partial *earlier = found == partial_.end() ? nullptr : found->second.get();
+  // Exact bounds that cannot wrap, and every chunk after the first agrees with it on meta and
+  // total (the buffer was allocated for the first).
+  std::string why;
+  if (!wire::decodeMeta(r.getMeta(), meta) || meta.storageBytes() < 0)
+    why = "its tensor meta is malformed";
+  else if (uint64_t(meta.storageBytes()) != total)
+    why = "its total of " + std::to_string(total) + " bytes is not its meta's " +
+          std::to_string(meta.storageBytes());
+  else if (offset > total || data.size() > total - offset)
+    why = "its chunk at offset " + std::to_string(offset) + " of " +
+          std::to_string(data.size()) + " bytes ends past the total";
+  else if (offset != 0 && (!earlier || !(earlier->meta == meta)))
+    why = "a chunk at offset " + std::to_string(offset) +
+          (earlier ? " disagrees with the first chunk's meta" : " came without a first chunk");
+  else if (offset != 0 && offset != earlier->received)
+    why = "its chunk at offset " + std::to_string(offset) + " does not follow the " +
+          std::to_string(earlier->received) + " bytes received"; // chunks cover every byte once
+  if (!why.empty()) {
+    partial_.erase(handle);
+    auto e = sessionError("malformed upload for handle " + std::to_string(handle) + ": " + why);
     fail(e);
     bind(handle, {at::Tensor(), e});
     return;
   }
   auto &part = partial_[handle];
-  if (!part || r.getOffset() == 0) {
+  if (offset == 0) {
     part = std::make_unique<Partial>();
     part->meta = meta;
     part->cpu = at::empty_strided(meta.sizes, meta.strides,

@@ -100,19 +100,30 @@ TensorMeta TensorMeta::contiguous(int8_t dtype, ArrayRef<int64_t> sizes) {
 }
 
 int64_t TensorMeta::numel() const {
+  if (std::find(sizes.begin(), sizes.end(), 0) != sizes.end())
+    return 0;
   int64_t n = 1;
   for (int64_t s : sizes)
-    n *= s;
+    if (s < 0 || __builtin_mul_overflow(n, s, &n))
+      return -1;
   return n;
 }
 
 int64_t TensorMeta::storageBytes() const {
-  if (numel() == 0)
-    return 0;
-  int64_t span = 1;
-  for (size_t i = 0; i < sizes.size(); ++i)
-    span += (sizes[i] - 1) * strides[i];
-  return span * dtype::itemSize(dtype);
+  int64_t n = numel();
+  if (n <= 0)
+    return n;
+  int64_t span = 1, bytes = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    int64_t step = 0;
+    if (i >= strides.size() || strides[i] < 0 ||
+        __builtin_mul_overflow(sizes[i] - 1, strides[i], &step) ||
+        __builtin_add_overflow(span, step, &span))
+      return -1;
+  }
+  if (__builtin_mul_overflow(span, int64_t(dtype::itemSize(dtype)), &bytes))
+    return -1;
+  return bytes;
 }
 
 std::string TensorMeta::str() const {

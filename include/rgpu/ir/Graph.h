@@ -67,8 +67,10 @@ struct TensorMeta {
 
   /// A contiguous (row-major) tensor of \p sizes.
   static TensorMeta contiguous(int8_t dtype, llvm::ArrayRef<int64_t> sizes);
+  /// Elements; -1 if a size is negative or the product overflows int64.
   int64_t numel() const;
-  /// Bytes the strided layout spans (0 for an empty tensor).
+  /// Bytes the strided layout spans (0 for an empty tensor); -1 if a size or stride is negative
+  /// or the span overflows int64, so a peer's meta can never wrap a bounds check.
   int64_t storageBytes() const;
   bool operator==(const TensorMeta &o) const {
     return dtype == o.dtype && sizes == o.sizes && strides == o.strides;

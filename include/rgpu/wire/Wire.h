@@ -29,6 +29,8 @@ struct Limits {
   int nestingLimit = 16;
   /// The largest graph accepted, in nodes.
   uint32_t maxNodes = 1u << 20;
+  /// The most output handles a Run of a graph the server does not hold may poison.
+  uint32_t maxRunOutputs = 1u << 16;
 };
 
 /// Reader options for a frame of \p frameBytes. The traversal limit, which also bounds what the

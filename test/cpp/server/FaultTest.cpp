@@ -6,6 +6,7 @@
 #include <capnp/message.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstring>
 #include <optional>
@@ -346,5 +347,102 @@ TEST(Faults, AHelloWithAnotherProtocolVersionIsRefusedClearly) {
   ASSERT_TRUE(reply);
   EXPECT_NE(Peer::errorOf(*reply).find("version mismatch"), std::string::npos);
   EXPECT_TRUE(bad.closedByServer());
+  expectGoodSessionUnaffected();
+}
+
+namespace {
+
+/// An upload chunk of \p data for handle \p h of a tensor of meta \p m.
+void uploadChunk(wire::Command::Builder cmd, uint64_t h, const ir::TensorMeta &m, uint64_t total,
+                 uint64_t offset, kj::ArrayPtr<const kj::byte> data) {
+  auto up = cmd.initUpload();
+  up.setHandle(h);
+  wire::encodeMeta(m, up.initMeta());
+  up.setTotal(total);
+  up.setOffset(offset);
+  up.setData(data);
+}
+
+} // namespace
+
+TEST(Faults, UploadChunksThatWrapOrDisagreeAreRefusedWithoutTouchingMemory) {
+  Peer bad;
+  bad.hello();
+  const kj::byte bytes[16] = {};
+  auto chunk = kj::arrayPtr(bytes, 16);
+  ir::TensorMeta small = ir::TensorMeta::contiguous(ir::dtype::Float, {4});     // 16 bytes
+  ir::TensorMeta eight = ir::TensorMeta::contiguous(ir::dtype::Float, {8});     // 32 bytes
+  ir::TensorMeta big = ir::TensorMeta::contiguous(ir::dtype::Float, {1 << 24}); // 64 MiB
+  struct Case {
+    const char *why;
+    ir::TensorMeta meta;
+    uint64_t total, offset;
+    bool firstChunkBefore;
+  } cases[] = {
+      {"ends past the total", small, 16, 64ull << 20, false},              // far past the buffer
+      {"ends past the total", small, 16, ~uint64_t(0) - 4, false},         // offset + size wraps
+      {"does not follow", big, 64ull << 20, 32, true},                     // a gap of 16 bytes
+      {"disagrees with the first chunk", eight, 32, 16, true},             // another meta
+      {"came without a first chunk", eight, 32, 16, false},
+      {"is not its meta", small, 1ull << 40, 0, false},                    // total is not the meta's
+  };
+  uint64_t h = 500;
+  for (const Case &c : cases) {
+    ++h;
+    auto reply = bad.send(true, c.firstChunkBefore ? 2 : 1, [&](auto cmds) {
+      size_t k = 0;
+      if (c.firstChunkBefore)
+        uploadChunk(cmds[k++], h, big, 64ull << 20, 0, chunk); // a 64 MiB buffer, 16 bytes in
+      uploadChunk(cmds[k], h, c.meta, c.total, c.offset, chunk);
+    });
+    ASSERT_TRUE(reply) << c.why;
+    std::string error = Peer::errorOf(*reply);
+    EXPECT_NE(error.find(c.why), std::string::npos) << c.why << ": " << error;
+    ASSERT_TRUE(server().alive()) << c.why;
+  }
+  // A shape whose byte span overflows int64 is a malformed meta, not a small buffer.
+  ir::TensorMeta huge = ir::TensorMeta::contiguous(ir::dtype::Float, {1ll << 62, 1ll << 4});
+  auto reply = bad.send(true, 1, [&](auto cmds) { uploadChunk(cmds[0], ++h, huge, 16, 0, chunk); });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("meta is malformed"), std::string::npos)
+      << Peer::errorOf(*reply);
+  EXPECT_EQ(bad.squareOnServer(), (std::vector<float>{1, 4, 9}));
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, ARunOfAnUnknownGraphPoisonsABoundedNumberOfOutputs) {
+  Peer bad;
+  bad.hello();
+  auto start = std::chrono::steady_clock::now();
+  auto reply = bad.send(true, 1, [](auto cmds) {
+    auto run = cmds[0].initRun();
+    wire::encodeHash({9, 9}, run.initHash());
+    run.setFirstOutput(1);
+    run.setNumOutputs(30'000'000);
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("unknown graph"), std::string::npos);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, ARunWhoseOutputCountDisagreesWithItsGraphIsAnError) {
+  Peer bad;
+  bad.hello();
+  ir::Graph g = square();
+  ir::Hash128 hash = ir::hashGraph(g);
+  auto reply = bad.send(true, 2, [&](auto cmds) {
+    auto def = cmds[0].initDefine();
+    wire::encodeHash(hash, def.initHash());
+    wire::encodeGraph(g, def.initGraph());
+    auto run = cmds[1].initRun();
+    wire::encodeHash(hash, run.initHash());
+    run.initInputs(1).set(0, 1);
+    run.setFirstOutput(2);
+    run.setNumOutputs(1000);
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("wrong number of inputs, scalars or outputs"), std::string::npos)
+      << Peer::errorOf(*reply);
   expectGoodSessionUnaffected();
 }
