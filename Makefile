@@ -24,7 +24,7 @@ deps:
 $(VENV)/.stamp:
 	$(PYTHON_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)" numpy pytest expecttest cmake ninja setuptools safetensors
+	$(PY) -m pip install -q "$(TORCH_PIN)" numpy pytest expecttest cmake ninja setuptools safetensors transformers==5.24.0
 	touch $@
 
 venv: $(VENV)/.stamp

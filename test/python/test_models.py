@@ -113,3 +113,36 @@ def test_norm_statistics_come_back_as_the_client_was_promised(dtype, training):
             assert cpu.dtype == stat.dtype and cpu.shape == stat.shape
             if ref.numel():
                 torch.testing.assert_close(cpu, ref.to(cpu.dtype), rtol=1e-2, atol=1e-2)
+
+
+def test_a_hugging_face_gpt2_trains_saves_and_generates_like_cpu(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    cpu = transformers.GPT2LMHeadModel(config)
+    dev = copy.deepcopy(cpu).to(R)
+    assert dev.lm_head.weight is dev.transformer.wte.weight  # tied, as on CPU
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+
+    def loss_at(model, step, device):
+        return model(ids.to(device), labels=ids.to(device)).loss
+
+    runs = []
+    for m in (cpu, dev):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+        runs.append(train_losses(m, opt, loss_at, 20, sched))
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
+
+    dev.save_pretrained(tmp_path)
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    for (name, a), (_, b) in zip(back.state_dict().items(), dev.state_dict().items()):
+        assert torch.equal(a, b.cpu()), name
+
+    dev.eval()
+    cpu.eval()
+    prompt = ids[:1, :4]
+    expected = cpu.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert dev.generate(prompt.to(R), max_new_tokens=8, do_sample=False).cpu().tolist() == expected.tolist()
