@@ -78,6 +78,36 @@ struct ResultItem {
 } // namespace
 
 FrameOutcome Session::handle(const net::Frame &frame) {
+  try {
+    return serve(frame);
+  } catch (const kj::Exception &e) {
+    return failure(e.getDescription().cStr());
+  } catch (const std::exception &e) {
+    return failure(e.what());
+  } catch (...) {
+    return failure("an unknown exception");
+  }
+}
+
+FrameOutcome Session::failure(const std::string &why) {
+  std::string message = "rgpu-opserver could not serve this session (" + why +
+                        "); the session is closed, the server goes on";
+  log(peer_ + ": " + message);
+  FrameOutcome outcome;
+  outcome.close = true;
+  try {
+    capnp::MallocMessageBuilder reply;
+    auto e = reply.initRoot<wire::ServerFrame>().initError();
+    e.setMessage(message);
+    e.setKind(wire::Error::Kind::PROTOCOL);
+    outcome.reply = net::encodeFrame(reply, true);
+  } catch (...) {
+    // Out of memory even for the error: the closed connection says it.
+  }
+  return outcome;
+}
+
+FrameOutcome Session::serve(const net::Frame &frame) {
   FrameOutcome outcome;
   std::vector<ResultItem> results;
   std::string fatal;

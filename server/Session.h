@@ -60,11 +60,17 @@ public:
   Session(Context &ctx, std::string peer);
   ~Session();
 
-  /// Executes every command of \p frame in order.
+  /// Executes every command of \p frame in order. This is the session's one error boundary:
+  /// anything that throws while a frame is served, building its reply included, ends this
+  /// session with an error naming it, and never the process.
   FrameOutcome handle(const net::Frame &frame);
 
 private:
   struct Partial; // an upload arriving in chunks
+
+  FrameOutcome serve(const net::Frame &frame);
+  /// The last reply of a session that failed in a way no command caught; closes it.
+  FrameOutcome failure(const std::string &why);
 
   void hello(wire::Hello::Reader r, std::string &fatal);
   void define(wire::Define::Reader r);
