@@ -150,8 +150,10 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         break;
       }
       case wire::Command::RELEASE:
-        for (uint64_t h : cmd.getRelease())
+        for (uint64_t h : cmd.getRelease()) {
           tensors_.erase(h);
+          staged_.erase(h);
+        }
         break;
       case wire::Command::SEED: {
         std::lock_guard<std::mutex> lock(generator_.mutex());
@@ -489,12 +491,33 @@ std::string Session::download(wire::Download::Reader r, kj::Array<kj::byte> &byt
                        " asks for a layout that does not match the tensor"));
     return "";
   }
-  at::Tensor cpu = at::empty_strided(meta.sizes, meta.strides,
-                                     at::TensorOptions().dtype(t.scalar_type()));
-  cpu.copy_(t);
-  bytes = kj::heapArray<kj::byte>(meta.storageBytes());
-  if (bytes.size())
-    std::memcpy(bytes.begin(), cpu.data_ptr(), bytes.size());
+  const uint64_t total = meta.storageBytes(), offset = r.getOffset();
+  const uint64_t length = r.getLength() ? r.getLength() : total - std::min(offset, total);
+  if (offset > total || length > total - offset || length > ctx_.limits().maxDownloadBytes) {
+    fail(sessionError("download of handle " + std::to_string(handle) + " asks for bytes [" +
+                      std::to_string(offset) + ", +" + std::to_string(length) +
+                      ") outside its " + std::to_string(total) + " bytes or above one chunk"));
+    return "";
+  }
+  // The tensor in the wanted layout on the CPU: the stored tensor itself when it already is
+  // that, else a copy, kept while its chunks are read.
+  at::Tensor cpu;
+  if (t.device().is_cpu() && t.strides().equals(meta.strides) && t.storage_offset() == 0 &&
+      !t.is_conj() && !t.is_neg() && t.is_non_overlapping_and_dense()) {
+    cpu = t;
+  } else if (auto staged = staged_.find(handle); staged != staged_.end() && offset != 0) {
+    cpu = staged->second;
+  } else {
+    cpu = at::empty_strided(meta.sizes, meta.strides, at::TensorOptions().dtype(t.scalar_type()));
+    cpu.copy_(t);
+  }
+  if (offset + length < total)
+    staged_[handle] = cpu;
+  else
+    staged_.erase(handle);
+  bytes = kj::heapArray<kj::byte>(length);
+  if (length)
+    std::memcpy(bytes.begin(), static_cast<const char *>(cpu.data_ptr()) + offset, length);
   return "";
 }
 

@@ -79,7 +79,10 @@ private:
   std::string download(wire::Download::Reader r, kj::Array<kj::byte> &bytes);
   void fail(ErrorPtr error);
   /// Binds a handle to a value. A client may rebind handles it no longer uses.
-  void bind(uint64_t handle, Entry e) { tensors_[handle] = std::move(e); }
+  void bind(uint64_t handle, Entry e) {
+    tensors_[handle] = std::move(e);
+    staged_.erase(handle);
+  }
 
   Context &ctx_;
   std::string peer_;
@@ -87,6 +90,8 @@ private:
   at::Generator generator_;
   llvm::DenseMap<uint64_t, Entry> tensors_;
   std::map<uint64_t, std::unique_ptr<Partial>> partial_;
+  /// Tensors being downloaded in chunks, in the layout asked for, until their last chunk.
+  std::map<uint64_t, at::Tensor> staged_;
   std::map<ir::Hash128, ErrorPtr> refused_; ///< Graphs this session defined that failed checks.
   struct GraphUse {
     std::shared_ptr<const Plan> plan;

@@ -431,28 +431,37 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
       return f.cpu;
     }
   }
-  // This tensor, and with it every member of the download group that is not fetched yet. The
-  // cut above made every live tensor device data. Members are matched by the data they hold:
-  // `t.detach().cpu()` reads a member through another tensor.
+  const uint64_t bytes = want.storageBytes();
+  if (bytes > limits_.uploadChunkBytes)
+    return downloadInChunks(*impl->value.data, want);
+  // This tensor, and with it members of the download group that are not fetched yet, as many
+  // as fit in one reply. The cut above made every live tensor device data. Members are matched
+  // by the data they hold: `t.detach().cpu()` reads a member through another tensor.
   std::vector<std::pair<llvm::IntrusiveRefCntPtr<DeviceData>, ir::TensorMeta>> wanted;
   wanted.push_back({impl->value.data, want});
-  if (!group_.empty()) {
-    std::vector<LazyTensorImpl *> members;
-    bool inGroup = false;
-    for (const at::Tensor &t : group_) {
+  bool inGroup = std::any_of(group_.begin(), group_.end(), [&](const at::Tensor &t) {
+    return lazyImpl(t)->value.data.get() == data;
+  });
+  if (inGroup) {
+    fetched_.try_emplace(data, Fetched{impl->value.data, at::Tensor(), true});
+    uint64_t budget = limits_.maxDownloadBytes - std::min(bytes, limits_.maxDownloadBytes);
+    std::vector<at::Tensor> later; // what does not fit waits for the group's next read
+    for (at::Tensor &t : group_) {
       LazyTensorImpl *member = lazyImpl(t);
-      inGroup |= member->value.data.get() == data;
-      members.push_back(member);
-    }
-    if (inGroup) {
-      fetched_.try_emplace(data, Fetched{impl->value.data, at::Tensor(), true});
-      for (LazyTensorImpl *member : members) {
-        DeviceData *d = member->value.data.get();
-        if (d && fetched_.try_emplace(d, Fetched{member->value.data}).second)
-          wanted.push_back({member->value.data, member->downloadLayout()});
+      DeviceData *d = member->value.data.get();
+      if (!d || fetched_.count(d))
+        continue;
+      ir::TensorMeta layout = member->downloadLayout();
+      uint64_t size = layout.storageBytes();
+      if (size > budget) {
+        later.push_back(std::move(t));
+        continue;
       }
-      group_.clear();
+      budget -= size;
+      fetched_.try_emplace(d, Fetched{member->value.data});
+      wanted.push_back({member->value.data, std::move(layout)});
     }
+    group_ = std::move(later);
   }
   for (const auto &[d, layout] : wanted) {
     Command c;
@@ -466,15 +475,7 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
     lose("the server did not answer a download");
   at::Tensor result;
   for (size_t k = 0; k < wanted.size(); ++k) {
-    const ir::TensorMeta &m = wanted[k].second;
-    const std::string &bytes = reply.data[k];
-    if (bytes.size() != uint64_t(m.storageBytes()))
-      lose("the server sent " + std::to_string(bytes.size()) + " bytes for a tensor of " +
-           std::to_string(m.storageBytes()));
-    at::Tensor out = at::empty_strided(
-        m.sizes, m.strides, at::TensorOptions().dtype(static_cast<c10::ScalarType>(m.dtype)));
-    if (!bytes.empty())
-      std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
+    at::Tensor out = tensorFromBytes(wanted[k].second, reply.data[k]);
     ++stats.downloads;
     if (k == 0)
       result = out;
@@ -482,6 +483,38 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
       it->second.cpu = out;
   }
   return result;
+}
+
+at::Tensor Session::downloadInChunks(const DeviceData &data, const ir::TensorMeta &want) {
+  at::Tensor out = at::empty_strided(
+      want.sizes, want.strides, at::TensorOptions().dtype(static_cast<c10::ScalarType>(want.dtype)));
+  const uint64_t total = want.storageBytes(), chunk = limits_.uploadChunkBytes;
+  for (uint64_t offset = 0; offset < total; offset += chunk) {
+    Command c;
+    c.kind = wire::Command::DOWNLOAD;
+    c.handle = data.handle;
+    c.meta = want;
+    c.offset = offset;
+    c.length = std::min(chunk, total - offset);
+    queue(std::move(c));
+    Reply reply = flush(true);
+    if (reply.data.size() != 1 || reply.data[0].size() != c.length)
+      lose("the server answered a download chunk with the wrong number of bytes");
+    std::memcpy(static_cast<char *>(out.data_ptr()) + offset, reply.data[0].data(), c.length);
+  }
+  ++stats.downloads;
+  return out;
+}
+
+at::Tensor Session::tensorFromBytes(const ir::TensorMeta &m, const std::string &bytes) {
+  if (bytes.size() != uint64_t(m.storageBytes()))
+    lose("the server sent " + std::to_string(bytes.size()) + " bytes for a tensor of " +
+         std::to_string(m.storageBytes()));
+  at::Tensor out = at::empty_strided(
+      m.sizes, m.strides, at::TensorOptions().dtype(static_cast<c10::ScalarType>(m.dtype)));
+  if (!bytes.empty())
+    std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
+  return out;
 }
 
 std::vector<std::pair<Value, ir::TensorMeta>>
@@ -639,6 +672,8 @@ Session::Reply Session::flush(bool wantReply) {
       auto d = cb.initDownload();
       d.setHandle(c.handle);
       wire::encodeMeta(c.meta, d.initMeta());
+      d.setOffset(c.offset);
+      d.setLength(c.length);
       break;
     }
     case wire::Command::SEED: cb.setSeed(c.handle); break;

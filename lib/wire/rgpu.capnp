@@ -105,6 +105,8 @@ struct Upload {
 struct Download {
   handle @0 :UInt64;
   meta @1 :TensorMeta;   # the layout the client wants the bytes in
+  offset @2 :UInt64;     # the bytes [offset, offset + length) of that layout; a tensor larger
+  length @3 :UInt64;     # than one Data blob (512 MiB) comes in chunks. length 0: all of it
 }
 
 struct Command {

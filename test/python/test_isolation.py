@@ -29,20 +29,3 @@ def test_a_sessions_first_read_of_a_large_zero_tensor_arrives(fresh_server):
     r = run_client(fresh_server.address,
                    "import torch, rgpu\nprint(int(torch.zeros(1 << 22, device='rgpu').cpu().sum()))")
     assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr
-
-
-def test_a_failure_while_building_a_reply_ends_that_session_only(fresh_server):
-    # Cap'n Proto refuses a Data blob over 512 MiB while the reply is built; that once ended
-    # the process. Now the session gets a named error and the server serves everyone else.
-    big = run_client(fresh_server.address,
-                     "import torch, rgpu\n"
-                     "x = torch.zeros(150_000_000, device='rgpu')\n"
-                     "try:\n"
-                     "    x.cpu()\n"
-                     "except rgpu.SessionLost as e:\n"
-                     "    print('lost:', e)\n", timeout=300)
-    assert big.returncode == 0, big.stderr
-    assert "lost:" in big.stdout and "could not serve this session" in big.stdout, big.stdout
-    assert fresh_server.alive()
-    ok = run_client(fresh_server.address, "import torch, rgpu\nprint(torch.ones(3, device='rgpu').sum().item())")
-    assert ok.returncode == 0 and ok.stdout.strip() == "3.0", ok.stderr

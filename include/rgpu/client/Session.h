@@ -186,6 +186,10 @@ private:
   Reply flush(bool wantReply);
   void connect();
   [[noreturn]] void lose(const std::string &why);
+  /// A download too large for one reply, one chunk per round trip.
+  at::Tensor downloadInChunks(const DeviceData &data, const ir::TensorMeta &want);
+  /// A CPU tensor of layout \p m holding \p bytes (which must be exactly its span).
+  at::Tensor tensorFromBytes(const ir::TensorMeta &m, const std::string &bytes);
   uint64_t newHandles(uint64_t n) { uint64_t h = nextHandle_; nextHandle_ += n; return h; }
   std::string describe(const wire::Error::Reader &e);
 

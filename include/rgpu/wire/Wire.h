@@ -23,8 +23,10 @@ constexpr uint32_t kProtocolVersion = 1;
 struct Limits {
   /// Largest frame accepted (data frames carry uploads); larger frames close the connection.
   uint64_t maxFrameBytes = uint64_t(1) << 30;
-  /// Uploads larger than this are split into chunks of this size.
+  /// Uploads and downloads larger than this are split into chunks of this size.
   uint64_t uploadChunkBytes = uint64_t(64) << 20;
+  /// The most bytes one Download may ask for (a Cap'n Proto Data blob holds under 512 MiB).
+  uint64_t maxDownloadBytes = uint64_t(256) << 20;
   /// Cap'n Proto nesting limit: our schema nests at most 6 deep.
   int nestingLimit = 16;
   /// The largest graph accepted, in nodes.

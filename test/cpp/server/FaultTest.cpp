@@ -446,3 +446,25 @@ TEST(Faults, ARunWhoseOutputCountDisagreesWithItsGraphIsAnError) {
       << Peer::errorOf(*reply);
   expectGoodSessionUnaffected();
 }
+
+TEST(Faults, ADownloadOfBytesOutsideItsTensorIsAnError) {
+  Peer bad;
+  bad.hello();
+  const float data[3] = {1, 2, 3};
+  for (auto [offset, length] : {std::pair<uint64_t, uint64_t>{8, 8}, {~uint64_t(0) - 2, 4},
+                                {0, uint64_t(1) << 40}}) {
+    auto reply = bad.send(true, 2, [&](auto cmds) {
+      uploadChunk(cmds[0], 900, vec3(), 12, 0,
+                  kj::arrayPtr(reinterpret_cast<const kj::byte *>(data), 12));
+      auto down = cmds[1].initDownload();
+      down.setHandle(900);
+      wire::encodeMeta(vec3(), down.initMeta());
+      down.setOffset(offset);
+      down.setLength(length);
+    });
+    ASSERT_TRUE(reply);
+    EXPECT_NE(Peer::errorOf(*reply).find("outside its 12 bytes"), std::string::npos)
+        << Peer::errorOf(*reply);
+  }
+  expectGoodSessionUnaffected();
+}
