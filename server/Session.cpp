@@ -502,8 +502,10 @@ std::string Session::download(wire::Download::Reader r, kj::Array<kj::byte> &byt
   // The tensor in the wanted layout on the CPU: the stored tensor itself when it already is
   // that, else a copy, kept while its chunks are read.
   at::Tensor cpu;
+  // (Not a ZeroTensor, which autograd makes for zero gradients: it has no storage to read.)
   if (t.device().is_cpu() && t.strides().equals(meta.strides) && t.storage_offset() == 0 &&
-      !t.is_conj() && !t.is_neg() && t.is_non_overlapping_and_dense()) {
+      !t.is_conj() && !t.is_neg() && !t._is_zerotensor() && t.is_non_overlapping_and_dense() &&
+      t.has_storage() && t.const_data_ptr()) {
     cpu = t;
   } else if (auto staged = staged_.find(handle); staged != staged_.end() && offset != 0) {
     cpu = staged->second;

@@ -17,7 +17,7 @@
 namespace rgpu::wire {
 
 /// Wire protocol version; bumped on any incompatible schema change.
-constexpr uint32_t kProtocolVersion = 1;
+constexpr uint32_t kProtocolVersion = 2;
 
 /// Limits applied to every message a peer sends.
 struct Limits {
