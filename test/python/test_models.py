@@ -146,3 +146,32 @@ def test_a_hugging_face_gpt2_trains_saves_and_generates_like_cpu(tmp_path):
     prompt = ids[:1, :4]
     expected = cpu.generate(prompt, max_new_tokens=8, do_sample=False)
     assert dev.generate(prompt.to(R), max_new_tokens=8, do_sample=False).cpu().tolist() == expected.tolist()
+
+
+NORMS = {
+    "layer_norm": (lambda: nn.LayerNorm(4), (3, 4)),
+    "batch_norm_1d": (lambda: nn.BatchNorm1d(4), (5, 4)),
+    "batch_norm_2d": (lambda: nn.BatchNorm2d(4), (2, 4, 3, 3)),
+    "group_norm": (lambda: nn.GroupNorm(2, 4), (2, 4, 3)),
+    "rms_norm": (lambda: nn.RMSNorm(4), (3, 4)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", sorted(NORMS))
+@pytest.mark.parametrize("training", [True, False])
+def test_norm_modules_forward_and_backward_match_cpu_in_every_float_dtype(dtype, name, training):
+    make, shape = NORMS[name]
+    torch.manual_seed(0)
+    cpu = make().to(dtype).train(training)
+    dev = copy.deepcopy(cpu).to(R)
+    x = torch.randn(*shape, dtype=dtype)
+    xc, xr = x.clone().requires_grad_(), x.to(R).requires_grad_()
+    yc, yr = cpu(xc), dev(xr)
+    yc.float().sum().backward()
+    yr.float().sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    same(yr, yc, rtol=tol, atol=tol)
+    same(xr.grad, xc.grad, rtol=tol, atol=5e-2 if dtype != torch.float32 else 1e-5)
+    for (n, p), (_, q) in zip(dev.named_parameters(), cpu.named_parameters()):
+        same(p.grad, q.grad, rtol=tol, atol=5e-2 if dtype != torch.float32 else 1e-4)
