@@ -152,7 +152,8 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       case wire::Command::RELEASE:
         for (uint64_t h : cmd.getRelease()) {
           tensors_.erase(h);
-          staged_.erase(h);
+          if (h == stagedHandle_)
+            staged_ = at::Tensor();
         }
         break;
       case wire::Command::SEED: {
@@ -326,7 +327,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     fail(e);
     // Without a graph there is no output count to check numOutputs against: poison at most
     // the limit, so a 100-byte Run cannot bind millions of handles.
-    poisonAll(e, std::min<uint64_t>(r.getNumOutputs(), wire::Limits().maxRunOutputs));
+    poisonAll(e, std::min<uint64_t>(r.getNumOutputs(), ctx_.limits().maxRunOutputs));
     return;
   }
   const ir::Graph &g = plan->graph();
@@ -500,23 +501,25 @@ std::string Session::download(wire::Download::Reader r, kj::Array<kj::byte> &byt
     return "";
   }
   // The tensor in the wanted layout on the CPU: the stored tensor itself when it already is
-  // that, else a copy, kept while its chunks are read.
+  // that (not a ZeroTensor, which autograd makes for zero gradients: it has no storage), else
+  // a copy, staged while its chunks are read.
   at::Tensor cpu;
-  // (Not a ZeroTensor, which autograd makes for zero gradients: it has no storage to read.)
   if (t.device().is_cpu() && t.strides().equals(meta.strides) && t.storage_offset() == 0 &&
       !t.is_conj() && !t.is_neg() && !t._is_zerotensor() && t.is_non_overlapping_and_dense() &&
       t.has_storage() && t.const_data_ptr()) {
     cpu = t;
-  } else if (auto staged = staged_.find(handle); staged != staged_.end() && offset != 0) {
-    cpu = staged->second;
+  } else if (staged_.defined() && stagedHandle_ == handle && offset != 0) {
+    cpu = staged_;
   } else {
     cpu = at::empty_strided(meta.sizes, meta.strides, at::TensorOptions().dtype(t.scalar_type()));
     cpu.copy_(t);
+    if (offset + length < total) {
+      stagedHandle_ = handle;
+      staged_ = cpu;
+    }
   }
-  if (offset + length < total)
-    staged_[handle] = cpu;
-  else
-    staged_.erase(handle);
+  if (offset + length >= total && stagedHandle_ == handle)
+    staged_ = at::Tensor();
   bytes = kj::heapArray<kj::byte>(length);
   if (length)
     std::memcpy(bytes.begin(), static_cast<const char *>(cpu.data_ptr()) + offset, length);

@@ -81,7 +81,8 @@ private:
   /// Binds a handle to a value. A client may rebind handles it no longer uses.
   void bind(uint64_t handle, Entry e) {
     tensors_[handle] = std::move(e);
-    staged_.erase(handle);
+    if (handle == stagedHandle_)
+      staged_ = at::Tensor();
   }
 
   Context &ctx_;
@@ -90,8 +91,10 @@ private:
   at::Generator generator_;
   llvm::DenseMap<uint64_t, Entry> tensors_;
   std::map<uint64_t, std::unique_ptr<Partial>> partial_;
-  /// Tensors being downloaded in chunks, in the layout asked for, until their last chunk.
-  std::map<uint64_t, at::Tensor> staged_;
+  /// The one tensor being downloaded in chunks, copied into the layout asked for, until its
+  /// last chunk (a client reads one tensor at a time; a new one replaces it, so it is bounded).
+  uint64_t stagedHandle_ = 0;
+  at::Tensor staged_;
   std::map<ir::Hash128, ErrorPtr> refused_; ///< Graphs this session defined that failed checks.
   struct GraphUse {
     std::shared_ptr<const Plan> plan;

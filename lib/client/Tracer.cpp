@@ -32,9 +32,8 @@ namespace {
 using ir::Arg;
 
 /// The math bits of a tensor: conjugate (1) and negative (2), kept as CPU keeps them.
-uint8_t mathBits(const at::Tensor &t) {
-  return (t.is_conj() ? 1 : 0) | (t.is_neg() ? 2 : 0);
-}
+uint8_t mathBits(const c10::TensorImpl &t) { return (t.is_conj() ? 1 : 0) | (t.is_neg() ? 2 : 0); }
+uint8_t mathBits(const at::Tensor &t) { return mathBits(*t.unsafeGetTensorImpl()); }
 
 /// A meta twin with \p bits set, as `_conj` and `_neg_view` set them.
 at::Tensor withMathBits(at::Tensor t, uint8_t bits) {
@@ -427,7 +426,7 @@ private:
     if (LazyTensorImpl *impl = lazyImpl(t)) {
       v = impl->value;
       meta = impl->meta();
-      bits = (impl->is_conj() ? 1 : 0) | (impl->is_neg() ? 2 : 0);
+      bits = mathBits(*impl);
     } else if (t.device().is_cpu() && acceptsCpuTensors(name_)) {
       v = Session::get().upload(t, meta);
     } else {

@@ -79,8 +79,9 @@ public:
 
   /// The bytes of \p impl, in the layout of \p want (a dense layout of the same sizes).
   at::Tensor download(LazyTensorImpl *impl, const ir::TensorMeta &want);
-  /// Downloads \p tensors together: the first download of any of them fetches all of them in
-  /// one frame, and later downloads of the others are answered from what arrived. Moving a
+  /// Downloads \p tensors together: the first download of any of them fetches the others in
+  /// the same frame (as many as fit in one reply, maxDownloadBytes), and later downloads of them
+  /// are answered from what arrived. Moving a
   /// model or a state_dict to the CPU then costs one round trip instead of one per tensor.
   /// Replaces any group already set; an empty list ends the group and drops what it fetched.
   void downloadTogether(std::vector<at::Tensor> tensors);
@@ -205,8 +206,8 @@ private:
   uint64_t live_ = 0;
   LazyTensorImpl *head_ = nullptr;
   std::vector<Command> queue_;
-  /// The group set by downloadTogether, and what its first download brought in (keyed by the
-  /// device data they were read from, kept alive so the key stays unique).
+  /// The members of the download group not fetched yet, and what its reads brought in (keyed
+  /// by the device data they were read from, kept alive so the key stays unique).
   struct Fetched {
     llvm::IntrusiveRefCntPtr<DeviceData> data;
     at::Tensor cpu;
