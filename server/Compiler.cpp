@@ -144,7 +144,7 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
   // Scalars are 0-dim CPU tensors, the form the worker exported them in.
   for (size_t k = 0; k < scalars.size(); ++k)
     args.push_back(at::scalar_tensor(toScalar(scalars[k]),
-                                     at::TensorOptions().dtype(toScalarType(g.scalars[k].dtype))));
+                                     at::TensorOptions().dtype(bridge::scalarType(g.scalars[k].dtype))));
   std::vector<at::Tensor> results = loader_->run(args);
   if (results.size() != g.outputs.size())
     throw std::runtime_error("the compiled graph returned " + std::to_string(results.size()) +
@@ -160,7 +160,7 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
     }
     const at::Tensor &t = results[k];
     if (!t.defined() || t.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
-        t.scalar_type() != toScalarType(m.dtype))
+        t.scalar_type() != bridge::scalarType(m.dtype))
       throw std::runtime_error("the compiled graph's output " + std::to_string(k) +
                                " does not match " + m.str());
     outputs.push_back({restride(t, m), nullptr});
@@ -169,7 +169,7 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
 
 Compiler::Compiler(CompilerOptions options, at::Device device)
     : options_(std::move(options)), device_(device) {
-  std::string key = "torch " + torchVersion() + "|" + device_.str() + "|" + options_.mode + "|" +
+  std::string key = "torch " + bridge::torchVersion() + "|" + device_.str() + "|" + options_.mode + "|" +
                     kWorkerFormat;
   key_ = hex64(llvm::xxHash64(llvm::StringRef(key)));
   std::error_code ec;

@@ -1,11 +1,9 @@
 #include "Plan.h"
+#include "Policy.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/jit_type.h>
 #include <c10/core/InferenceMode.h>
-#include <torch/headeronly/version.h>
-
-#include <llvm/ADT/StringSet.h>
 
 #include <algorithm>
 #include <mutex>
@@ -16,50 +14,14 @@ using ir::Arg;
 
 namespace {
 
-/// Ops refused whatever their arguments. Each reads or writes outside the tensors of the
-/// session: the server's files, raw memory addresses, or process-wide state.
-const llvm::StringSet<> &denylist() {
-  static const llvm::StringSet<> names = {
-      "aten::from_file",                    // reads a file on the server
-      "aten::_nested_view_from_buffer",     // reinterprets raw buffers
-      "aten::_nested_view_from_buffer_copy",
-      "aten::_nested_view_from_jagged",
-      "aten::_nested_view_from_jagged_copy",
-      "aten::_print",                       // writes to the server's stdout
-      "aten::_async_error",                 // raises asynchronously on the device
-      "aten::_cufft_set_plan_cache_max_size", // process-wide state
-      "aten::_cufft_clear_plan_cache",
-      "aten::set_",                         // swaps storages
-  };
-  return names;
-}
-
-/// View ops whose result depends on the operand's actual memory layout; their operands are given
-/// exactly the layout the client saw before they run.
-bool isLayoutSensitive(llvm::StringRef base) {
-  return base == "aten::as_strided_copy" || base == "aten::as_strided_scatter" ||
-         base == "aten::as_strided";
-}
-
-/// Functionalization turns views into *_copy ops; in a functional graph nothing is ever written
-/// in place, so the view itself is safe and saves a copy. Returns the op to run instead, or the
-/// op itself.
-c10::OperatorName viewFor(const c10::OperatorName &name) {
-  llvm::StringRef base(name.name);
-  if (!base.endswith("_copy") || isLayoutSensitive(base))
-    return name;
-  std::string view = base.drop_back(5).str();
-  // view() fails on layouts it cannot view without a copy; reshape views when it can.
-  if (view == "aten::view" && name.overload_name.empty())
-    return {"aten::reshape", ""};
-  c10::OperatorName candidate{view, name.overload_name};
-  auto handle = c10::Dispatcher::singleton().findSchema(candidate);
-  if (!handle)
-    return name;
-  auto copySchema = c10::Dispatcher::singleton().findSchema(name);
-  if (!copySchema || copySchema->schema().arguments().size() != handle->schema().arguments().size())
-    return name;
-  return candidate;
+/// The op a plan runs for \p name: the view that a functionalized `*_copy` op stands for (see
+/// bridge::viewOf), and reshape for view, which fails on layouts it cannot view without a copy.
+c10::OperatorHandle runnable(const c10::OperatorName &name, const c10::OperatorHandle &handle) {
+  if (name.name == "aten::view_copy" && name.overload_name.empty())
+    return *c10::Dispatcher::singleton().findSchema({"aten::reshape", ""});
+  if (auto view = bridge::viewOf(name))
+    return *view;
+  return handle;
 }
 
 std::string kindName(Arg::Kind k) {
@@ -77,40 +39,22 @@ std::string kindName(Arg::Kind k) {
   return "?";
 }
 
-/// A constant IValue for a non-tensor arg of schema type \p type, or an error.
+/// A constant IValue for a non-tensor arg of schema type \p type, or false on a kind mismatch.
 bool constant(const c10::TypePtr &type, const Arg &a, const ir::Node &n, c10::IValue &out) {
-  switch (type->kind()) {
-  case c10::TypeKind::IntType:
-  case c10::TypeKind::SymIntType:
-  case c10::TypeKind::ScalarTypeType:
-  case c10::TypeKind::LayoutType:
-  case c10::TypeKind::MemoryFormatType:
-    if (a.kind != Arg::Kind::Int)
-      return false;
-    out = a.i;
+  ir::Arg::Kind want = bridge::constantKind(bridge::argType(type));
+  if (want == Arg::Kind::Double && a.kind == Arg::Kind::Int) {
+    out = double(a.i);
     return true;
-  case c10::TypeKind::FloatType:
-    if (a.kind == Arg::Kind::Double)
-      out = a.d;
-    else if (a.kind == Arg::Kind::Int)
-      out = double(a.i);
-    else
-      return false;
-    return true;
-  case c10::TypeKind::BoolType:
-  case c10::TypeKind::SymBoolType:
-    if (a.kind != Arg::Kind::Bool)
-      return false;
-    out = a.i != 0;
-    return true;
-  case c10::TypeKind::StringType:
-    if (a.kind != Arg::Kind::Str)
-      return false;
-    out = n.strings[a.i];
-    return true;
-  default:
-    return false;
   }
+  if (want == Arg::Kind::None || a.kind != want)
+    return false;
+  switch (want) {
+  case Arg::Kind::Int: out = a.i; break;
+  case Arg::Kind::Double: out = a.d; break;
+  case Arg::Kind::Bool: out = a.i != 0; break;
+  default: out = n.strings[a.i]; break;
+  }
+  return true;
 }
 
 /// Runs a random op that has no generator argument with the session's generator standing in for
@@ -140,7 +84,7 @@ void callWithSessionGenerator(const c10::OperatorHandle &op, torch::jit::Stack &
 /// kernels promise one per channel (those are never read; they come back as zeros). Any other
 /// disagreement is left for the output check, which names it.
 void conformToMeta(at::Tensor &t, const ir::TensorMeta &m) {
-  c10::ScalarType want = toScalarType(m.dtype);
+  c10::ScalarType want = bridge::scalarType(m.dtype);
   bool sameSizes = t.sizes().equals(m.sizes);
   if (sameSizes && t.scalar_type() == want)
     return;
@@ -176,6 +120,13 @@ std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error) {
     return nullptr;
   }
   plan->metas_ = plan->graph_.valueMetas();
+  // Sizes are peer numbers: a layout whose byte span overflows is refused before anything is
+  // sized from it.
+  for (size_t v = 0; v < plan->metas_.size(); ++v)
+    if (plan->metas_[v]->dtype != ir::dtype::Undefined && plan->metas_[v]->storageBytes() < 0) {
+      error = "value " + std::to_string(v) + " has a layout whose size overflows";
+      return nullptr;
+    }
   plan->producer_.assign(plan->graph_.inputs.size(), 0);
   for (uint32_t n = 0; n < plan->graph_.nodes.size(); ++n)
     plan->producer_.insert(plan->producer_.end(), plan->graph_.nodes[n].outputs.size(), n);
@@ -204,26 +155,16 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   const ir::Node &n = graph_.nodes[nodeIndex];
   llvm::StringRef full = n.op.str();
   auto [base, overload] = ir::splitOpName(full);
-  if (!base.startswith("aten::"))
-    return "only aten ops are accepted";
-  if (denylist().count(base))
-    return "refused: " + base.str() + " reaches outside the session's tensors";
+  if (std::string why = policy::admit(full); !why.empty())
+    return why;
   c10::OperatorName name{base.str(), overload.str()};
   auto handle = c10::Dispatcher::singleton().findSchema(name);
   if (!handle)
     return "unknown op";
   const c10::FunctionSchema &schema = handle->schema();
-  if (schema.is_mutable())
-    return "refused: the op mutates its inputs; graphs are functional";
   bool listReturns = false;
-  for (const auto &ret : schema.returns()) {
-    auto k = ret.type()->kind();
-    bool tensorList = k == c10::TypeKind::ListType &&
-                      ret.type()->containedType(0)->kind() == c10::TypeKind::TensorType;
-    if (k != c10::TypeKind::TensorType && !tensorList)
-      return "refused: returns a non-tensor value";
-    listReturns |= tensorList;
-  }
+  for (const auto &ret : schema.returns())
+    listReturns |= ret.type()->kind() == c10::TypeKind::ListType;
   // A list's length is known only when the op runs; the run checks the total then.
   if (!listReturns && schema.returns().size() != n.outputs.size())
     return "expects " + std::to_string(schema.returns().size()) + " outputs, graph has " +
@@ -233,7 +174,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   step.node = nodeIndex;
   step.firstOutput = firstOutput;
   step.numOutputs = n.outputs.size();
-  step.restrideOperands = isLayoutSensitive(base);
+  step.restrideOperands = bridge::isStridedView(base);
   random_ |= handle->hasTag(at::Tag::nondeterministic_seeded);
   step.seeded = handle->hasTag(at::Tag::nondeterministic_seeded) &&
                 std::none_of(schema.arguments().begin(), schema.arguments().end(),
@@ -242,11 +183,13 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
                              });
   llvm::StringRef bare = base.drop_front(6); // after "aten::"
   step.zeroFill = bare.startswith("empty") || bare.startswith("new_empty");
-  c10::OperatorName runName = viewFor(name);
-  step.op = runName == name ? *handle : *c10::Dispatcher::singleton().findSchema(runName);
+  step.op = runnable(name, *handle);
 
   size_t a = 0;
   auto take = [&]() -> const Arg * { return a < n.args.size() ? &n.args[a++] : nullptr; };
+  // The constant sizes, strides and offset of a strided view, checked against its base below.
+  std::vector<int64_t> viewSizes, viewStrides;
+  int64_t viewOffset = 0;
   for (const c10::Argument &sa : schema.arguments()) {
     const Arg *arg = take();
     if (!arg)
@@ -326,7 +269,15 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
         c10::IValue v;
         if (!constant(elem, *take(), n, v))
           return where + " element " + std::to_string(k) + " does not match " + elem->str();
+        if (v.isInt())
+          if (std::string e = policy::checkListElement(base, sa, v.toInt()); !e.empty())
+            return e;
         items.push_back(std::move(v));
+      }
+      if (step.restrideOperands && (sa.name() == "size" || sa.name() == "stride")) {
+        auto &into = sa.name() == "size" ? viewSizes : viewStrides;
+        for (auto &i : items)
+          into.push_back(i.toInt());
       }
       c10::IValue list;
       switch (elem->kind()) {
@@ -363,6 +314,13 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
       c10::IValue v;
       if (!constant(type, *arg, n, v))
         return mismatch();
+      if (std::string e = policy::checkConstant(base, sa, bridge::argType(sa.real_type()), *arg,
+                                                arg->kind == Arg::Kind::Str ? n.strings[arg->i]
+                                                                            : "");
+          !e.empty())
+        return e;
+      if (step.restrideOperands && sa.name() == "storage_offset")
+        viewOffset = arg->i;
       step.slots.push_back({Slot::Const, uint32_t(step.consts.size())});
       step.consts.push_back(std::move(v));
       continue;
@@ -371,6 +329,15 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   }
   if (a != n.args.size())
     return "too many arguments for " + schema.name();
+  if (step.restrideOperands) {
+    // The view must stay inside its base (the first operand, given exactly its graph layout).
+    if (n.operands.empty())
+      return "a strided view without a base";
+    if (std::string e = policy::checkStridedView(*metas_[n.operands[0]], viewSizes, viewStrides,
+                                                 viewOffset);
+        !e.empty())
+      return "refused: " + e;
+  }
   if (base == "aten::native_layer_norm_backward" || base == "aten::native_batch_norm_backward") {
     for (size_t i = 0; i < schema.arguments().size(); ++i) {
       const std::string &arg = schema.arguments()[i].name();
@@ -382,11 +349,6 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   }
   steps_.push_back(std::move(step));
   return "";
-}
-
-std::string torchVersion() {
-  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
-         std::to_string(TORCH_VERSION_PATCH);
 }
 
 c10::Scalar toScalar(const ir::ScalarValue &v) {
@@ -404,7 +366,7 @@ c10::IValue Plan::scalarValue(uint32_t slot, llvm::ArrayRef<ir::ScalarValue> sca
   c10::Scalar value = toScalar(scalars[slot]);
   if (s.form == ir::ScalarForm::Scalar)
     return value;
-  at::Tensor t = at::scalar_tensor(value, at::TensorOptions().dtype(toScalarType(s.dtype)));
+  at::Tensor t = at::scalar_tensor(value, at::TensorOptions().dtype(bridge::scalarType(s.dtype)));
   if (s.form == ir::ScalarForm::WrappedNumber)
     t.unsafeGetTensorImpl()->set_wrapped_number(true);
   return t;
@@ -494,10 +456,10 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
           at::Tensor &t = values[k].tensor;
           if (!t.defined())
             continue;
-          if (t.layout() != at::kStrided)
+          if (t.layout() != at::kStrided || t.is_quantized() || t.is_nested())
             throw std::runtime_error("returned a non-strided tensor; rgpu supports strided "
                                      "tensors only");
-          if (step.zeroFill)
+          if (step.zeroFill && !ctx.device.is_cpu()) // CPU memory is zeroed as it is allocated
             t.zero_();
           if (exactLayout) // else the graph's metas are placeholders the run will answer
             conformToMeta(t, *metas_[k]);
@@ -527,7 +489,7 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
     Entry e = values[v];
     const ir::TensorMeta &m = *metas_[v];
     if (!e.error && exactLayout && (e.tensor.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
-                                    e.tensor.scalar_type() != toScalarType(m.dtype))) {
+                                    e.tensor.scalar_type() != bridge::scalarType(m.dtype))) {
       // Only a value someone holds matters: an unused output of a kernel that disagrees with
       // its meta kernel (native_batch_norm's saved stats in eval mode) is harmless.
       uint32_t n = producer_[v];

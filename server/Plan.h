@@ -5,13 +5,14 @@
 // use of every intermediate is known so it is freed right after. Running a plan is then a loop
 // of stack fills and boxed calls.
 //
-// Building a plan is where the server refuses what it will not run: non-aten ops, ops that
-// mutate their inputs, ops that touch the server's filesystem or raw memory (see the denylist in
-// Plan.cpp), and any argument whose kind disagrees with the schema.
+// Building a plan is where the server refuses what it will not run: any op the policy does not
+// admit (Policy.h), any argument whose kind disagrees with the schema or whose value is out of
+// range, and any strided view that would reach outside its base's storage.
 //
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "rgpu/bridge/Bridge.h"
 #include "rgpu/ir/Graph.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -106,13 +107,7 @@ private:
 /// Makes \p t have exactly the layout \p meta describes, copying only if it does not already.
 at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta);
 
-/// The libtorch version this server runs, "2.13.0".
-std::string torchVersion();
-
 /// The value of a lifted scalar.
 c10::Scalar toScalar(const ir::ScalarValue &v);
-
-/// ATen's ScalarType for a wire dtype number.
-inline at::ScalarType toScalarType(int8_t dtype) { return static_cast<at::ScalarType>(dtype); }
 
 } // namespace rgpu::server

@@ -1,15 +1,27 @@
 #include "Session.h"
+#include "Policy.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/util/Flags.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <iostream>
 
+C10_DECLARE_bool(caffe2_cpu_allocator_do_zero_fill);
+
 namespace rgpu::server {
+
+Context::Context(at::Device device, wire::Limits limits, std::unique_ptr<Compiler> compiler)
+    : device_(device), limits_(limits), compiler_(std::move(compiler)) {
+  // Host memory is reused across sessions: every CPU allocation is zeroed, so no session reads
+  // bytes another one left behind (the empty family, kernels that leave parts of an output
+  // unwritten, staging buffers). The cost is measured in bench/PlanBench.cpp.
+  FLAGS_caffe2_cpu_allocator_do_zero_fill = true;
+}
 
 size_t Context::graphsCached() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -204,7 +216,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
     case wire::Result::HELLO: {
       auto h = rs[i].initHello();
       h.setProtocol(wire::kProtocolVersion);
-      h.setTorchVersion(torchVersion());
+      h.setTorchVersion(bridge::torchVersion());
       h.setDevice(ctx_.device().str());
       h.setCompiler(ctx_.compiler() ? "inductor" : "plan");
       break;
@@ -298,7 +310,7 @@ void Session::define(wire::Define::Reader r) {
   if (ctx_.find(hash))
     return;
   ir::Graph graph;
-  std::string error = wire::decodeGraph(r.getGraph(), ctx_.limits(), graph);
+  std::string error = wire::decodeGraph(r.getGraph(), ctx_.limits(), graph, policy::admit);
   if (error.empty() && ctx_.define(hash, std::move(graph), error)) {
     if (ctx_.compiler() && r.hasExecutor() && r.getExecutor().size())
       ctx_.compiler()->prefer(hash, r.getExecutor());
@@ -306,6 +318,8 @@ void Session::define(wire::Define::Reader r) {
   }
   log(peer_ + ": refused graph " + hash.hex().substr(0, 12) + ": " + error);
   auto e = sessionError("rgpu-opserver refused the graph: " + error);
+  if (refused_.size() >= kMaxRefused) // an earlier refusal's runs then say "unknown graph"
+    refused_.erase(refused_.begin());
   refused_[hash] = e;
   fail(e);
 }
@@ -353,7 +367,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     Entry in = it->second;
     const ir::TensorMeta &m = g.inputs[i];
     if (!in.error && (in.tensor.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
-                      in.tensor.scalar_type() != toScalarType(m.dtype))) {
+                      in.tensor.scalar_type() != bridge::scalarType(m.dtype))) {
       auto e = sessionError("tensor handle " + std::to_string(h) + " does not match input " +
                              std::to_string(i) + " " + m.str());
       fail(e);
@@ -460,7 +474,7 @@ void Session::upload(wire::Upload::Reader r) {
     part = std::make_unique<Partial>();
     part->meta = meta;
     part->cpu = at::empty_strided(meta.sizes, meta.strides,
-                                  at::TensorOptions().dtype(toScalarType(meta.dtype)));
+                                  at::TensorOptions().dtype(bridge::scalarType(meta.dtype)));
   }
   if (data.size())
     std::memcpy(static_cast<char *>(part->cpu.data_ptr()) + r.getOffset(), data.begin(),
@@ -487,7 +501,7 @@ std::string Session::download(wire::Download::Reader r, kj::Array<kj::byte> &byt
   ir::TensorMeta meta;
   const at::Tensor &t = it->second.tensor;
   if (!wire::decodeMeta(r.getMeta(), meta) || t.sizes() != llvm::ArrayRef<int64_t>(meta.sizes) ||
-      t.scalar_type() != toScalarType(meta.dtype)) {
+      t.scalar_type() != bridge::scalarType(meta.dtype)) {
     fail(sessionError("download of handle " + std::to_string(handle) +
                        " asks for a layout that does not match the tensor"));
     return "";

@@ -26,8 +26,7 @@ namespace rgpu::server {
 class Context {
 public:
   /// \p compiler is null for --compiler plan.
-  Context(at::Device device, wire::Limits limits, std::unique_ptr<Compiler> compiler = nullptr)
-      : device_(device), limits_(limits), compiler_(std::move(compiler)) {}
+  Context(at::Device device, wire::Limits limits, std::unique_ptr<Compiler> compiler = nullptr);
 
   at::Device device() const { return device_; }
   const wire::Limits &limits() const { return limits_; }
@@ -95,7 +94,9 @@ private:
   /// last chunk (a client reads one tensor at a time; a new one replaces it, so it is bounded).
   uint64_t stagedHandle_ = 0;
   at::Tensor staged_;
-  std::map<ir::Hash128, ErrorPtr> refused_; ///< Graphs this session defined that failed checks.
+  /// Graphs this session defined that failed checks (at most kMaxRefused are remembered).
+  std::map<ir::Hash128, ErrorPtr> refused_;
+  static constexpr size_t kMaxRefused = 256;
   struct GraphUse {
     std::shared_ptr<const Plan> plan;
     uint64_t runs = 0, executeNs = 0, compiledRuns = 0;

@@ -6,6 +6,7 @@
 // its own connection.
 //
 //===----------------------------------------------------------------------===//
+#include "Policy.h"
 #include "Session.h"
 
 #include <ATen/Context.h>
@@ -51,6 +52,8 @@ options:
   --compile-mode MODE    default | max-autotune | reduce-overhead (compiled like
                          default; CUDA graphs are not used yet)
   --max-frame-mib N      largest frame accepted from a client, in MiB (default 1024)
+  --refused-ops          list the aten ops this server refuses to run, with the reason
+                         for each, and exit
   -h, --help             show this help
 
 Logs go to stderr, prefixed with "rgpu-opserver:". The inductor compiler runs
@@ -278,6 +281,10 @@ int main(int argc, char **argv) {
     try {
       if (a == "-h" || a == "--help") {
         fputs(kUsage, stdout);
+        return 0;
+      } else if (a == "--refused-ops") {
+        for (const auto &[op, why] : policy::refusedOps())
+          std::printf("%s: %s\n", op.c_str(), why.c_str());
         return 0;
       } else if (a == "--device") {
         device = value();

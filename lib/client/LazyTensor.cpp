@@ -1,5 +1,6 @@
 #include "rgpu/client/LazyTensor.h"
 #include "rgpu/client/Session.h"
+#include "rgpu/bridge/Bridge.h"
 
 #include <ATen/FunctionalTensorWrapper.h>
 
@@ -24,11 +25,7 @@ LazyTensorImpl::LazyTensorImpl(Value v, const ir::TensorMeta &meta)
 LazyTensorImpl::~LazyTensorImpl() { Session::get().untrack(this); }
 
 ir::TensorMeta LazyTensorImpl::meta() const {
-  ir::TensorMeta m;
-  m.dtype = static_cast<int8_t>(dtype().toScalarType());
-  m.sizes.assign(sizes().begin(), sizes().end());
-  m.strides.assign(strides().begin(), strides().end());
-  return m;
+  return bridge::metaOf(*this);
 }
 
 ir::TensorMeta LazyTensorImpl::downloadLayout() const {

@@ -1,9 +1,9 @@
 #include "rgpu/client/Session.h"
 
+#include "rgpu/bridge/Bridge.h"
 #include "rgpu/wire/Cache.h"
 
 #include <ATen/ATen.h>
-#include <torch/headeronly/version.h>
 
 #include <algorithm>
 #include <chrono>
@@ -25,11 +25,6 @@ constexpr uint64_t kSlowWaitNs = 1'000'000'000;
 constexpr uint64_t kSmallUpload = 64 << 10;
 /// A trace that never syncs is cut (without waiting) after this many nodes.
 constexpr uint64_t kNodeCap = 20000;
-
-std::string localTorchVersion() {
-  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
-         std::to_string(TORCH_VERSION_PATCH);
-}
 
 /// "2.13.0" -> "2.13": op schemas are stable within a minor release.
 std::string minorOf(const std::string &v) { return v.substr(0, v.find('.', v.find('.') + 1)); }
@@ -378,9 +373,7 @@ Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta) {
                        : src.contiguous().clone();
   if (cpu.is_conj() || cpu.is_neg())
     cpu = cpu.resolve_conj().resolve_neg();
-  meta.dtype = static_cast<int8_t>(cpu.scalar_type());
-  meta.sizes.assign(cpu.sizes().begin(), cpu.sizes().end());
-  meta.strides.assign(cpu.strides().begin(), cpu.strides().end());
+  meta = bridge::metaOf(cpu);
   uint64_t total = meta.storageBytes();
   uint64_t handle = newHandles(1);
   uint64_t chunk = limits_.uploadChunkBytes;
@@ -629,7 +622,7 @@ Session::Reply Session::flush(bool wantReply) {
     case wire::Command::HELLO: {
       auto h = cb.initHello();
       h.setProtocol(wire::kProtocolVersion);
-      h.setTorchVersion(localTorchVersion());
+      h.setTorchVersion(bridge::torchVersion());
       std::random_device rd;
       auto id = h.initSessionId(16);
       for (auto &byte : id)
@@ -740,8 +733,8 @@ Session::Reply Session::flush(bool wantReply) {
       case wire::Result::HELLO: {
         auto h = r.getHello();
         std::string theirs = h.getTorchVersion();
-        if (minorOf(theirs) != minorOf(localTorchVersion()))
-          lose("version mismatch: this client runs torch " + localTorchVersion() +
+        if (minorOf(theirs) != minorOf(bridge::torchVersion()))
+          lose("version mismatch: this client runs torch " + bridge::torchVersion() +
                ", rgpu-opserver at " + address_ + " runs torch " + theirs +
                "; install the same torch minor release on both sides");
         if (h.getProtocol() != wire::kProtocolVersion)

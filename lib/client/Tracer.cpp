@@ -11,6 +11,7 @@
 //===----------------------------------------------------------------------===//
 #include "rgpu/client/LazyTensor.h"
 #include "rgpu/client/Session.h"
+#include "rgpu/bridge/Bridge.h"
 
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
@@ -54,17 +55,7 @@ at::Tensor makeLazy(Value v, const ir::TensorMeta &m, uint8_t bits = 0) {
   return t;
 }
 
-ir::TensorMeta metaOf(const at::Tensor &t) {
-  ir::TensorMeta m;
-  if (!t.defined()) {
-    m.dtype = ir::dtype::Undefined;
-    return m;
-  }
-  m.dtype = static_cast<int8_t>(t.scalar_type());
-  m.sizes.assign(t.sizes().begin(), t.sizes().end());
-  m.strides.assign(t.strides().begin(), t.strides().end());
-  return m;
-}
+using bridge::metaOf;
 
 /// Ops whose output shapes depend on tensor data. They cannot be traced ahead: the graph is cut
 /// and the op runs on the server at once, which answers with the output shapes.
@@ -255,35 +246,30 @@ private:
   /// the view itself, as CPU eager would give it; the server runs it as that view, so tensors
   /// keep CPU's layouts (a transposed result downloads transposed, is_contiguous() agrees).
   void metaCall() {
-    llvm::StringRef name(op_.operator_name().name);
-    if (name.endswith("_copy") && name != "aten::as_strided_copy") {
-      c10::OperatorName view{name.drop_back(5).str(), op_.operator_name().overload_name};
-      auto handle = c10::Dispatcher::singleton().findSchema(view);
-      if (handle && handle->schema().arguments().size() == op_.schema().arguments().size()) {
-        torch::jit::Stack twin = meta_;
-        try {
-          handle->callBoxed(twin);
-          for (c10::IValue &r : twin) {
-            // A view's result aliases its input; the value rgpu holds is a fresh tensor with
-            // the same sizes, strides and math bits.
-            auto fresh = [](const at::Tensor &t) {
-              return withMathBits(at::empty_strided(t.sizes(), t.strides(), t.options()),
-                                  mathBits(t));
-            };
-            if (r.isTensor()) {
-              r = fresh(r.toTensor());
-            } else if (r.isTensorList()) {
-              std::vector<at::Tensor> list;
-              for (const at::Tensor &t : r.toTensorList())
-                list.push_back(fresh(t));
-              r = list;
-            }
+    if (auto handle = bridge::viewOf(op_.operator_name())) {
+      torch::jit::Stack twin = meta_;
+      try {
+        handle->callBoxed(twin);
+        for (c10::IValue &r : twin) {
+          // A view's result aliases its input; the value rgpu holds is a fresh tensor with
+          // the same sizes, strides and math bits.
+          auto fresh = [](const at::Tensor &t) {
+            return withMathBits(at::empty_strided(t.sizes(), t.strides(), t.options()),
+                                mathBits(t));
+          };
+          if (r.isTensor()) {
+            r = fresh(r.toTensor());
+          } else if (r.isTensorList()) {
+            std::vector<at::Tensor> list;
+            for (const at::Tensor &t : r.toTensorList())
+              list.push_back(fresh(t));
+            r = list;
           }
-          meta_ = std::move(twin);
-          return;
-        } catch (const c10::Error &) {
-          // e.g. view() on strides it cannot view: the copy's own layout is right then.
         }
+        meta_ = std::move(twin);
+        return;
+      } catch (const c10::Error &) {
+        // e.g. view() on strides it cannot view: the copy's own layout is right then.
       }
     }
     op_.callBoxed(meta_);
@@ -298,22 +284,22 @@ private:
       }
       type = opt->getElementType();
     }
-    switch (type->kind()) {
-    case c10::TypeKind::TensorType:
+    switch (bridge::argType(type)) {
+    case bridge::ArgType::Tensor:
       addTensor(v.toTensor(), sa.name());
       return;
-    case c10::TypeKind::NumberType:
+    case bridge::ArgType::Number:
       addScalar(v.toScalar(), ir::ScalarForm::Scalar, v);
       return;
-    case c10::TypeKind::DeviceObjType:
+    case bridge::ArgType::Device:
       node_->node.args.push_back(Arg::ref(Arg::Kind::Device, node_->node.strings.size()));
       node_->node.strings.push_back(v.toDevice().str());
       meta_.emplace_back(c10::Device(at::kMeta));
       return;
-    case c10::TypeKind::GeneratorType:
+    case bridge::ArgType::Generator:
       TORCH_CHECK_TYPE(false, "rgpu: ", fullName(op_), " was given an explicit generator=; rgpu "
                        "tensors draw from the server's generator, seeded by torch.manual_seed");
-    case c10::TypeKind::ListType:
+    case bridge::ArgType::List:
       addList(v, type->containedType(0), sa.name());
       return;
     default:
@@ -322,19 +308,14 @@ private:
   }
 
   Arg constant(const c10::IValue &v, const c10::TypePtr &type, const std::string &argName) {
-    switch (type->kind()) {
-    case c10::TypeKind::IntType:
-    case c10::TypeKind::SymIntType:
-    case c10::TypeKind::ScalarTypeType:
-    case c10::TypeKind::LayoutType:
-    case c10::TypeKind::MemoryFormatType:
+    switch (bridge::constantKind(bridge::argType(type))) {
+    case Arg::Kind::Int:
       return Arg::integer(v.isSymInt() ? v.toSymInt().expect_int() : v.toInt());
-    case c10::TypeKind::FloatType:
+    case Arg::Kind::Double:
       return Arg::real(v.toDouble());
-    case c10::TypeKind::BoolType:
-    case c10::TypeKind::SymBoolType:
+    case Arg::Kind::Bool:
       return Arg::boolean(v.isSymBool() ? v.toSymBool().guard_bool(__FILE__, __LINE__) : v.toBool());
-    case c10::TypeKind::StringType:
+    case Arg::Kind::Str:
       node_->node.strings.push_back(v.toStringRef());
       return Arg::ref(Arg::Kind::Str, node_->node.strings.size() - 1);
     default:

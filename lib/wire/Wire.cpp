@@ -125,7 +125,7 @@ void encodeGraph(const ir::Graph &g, Graph::Builder b) {
     locs.set(i, g.locations[i]);
 }
 
-std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g) {
+std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g, OpCheck check) {
   g = ir::Graph();
   if (r.getNodes().size() > limits.maxNodes)
     return "graph has " + std::to_string(r.getNodes().size()) + " nodes, more than the limit of " +
@@ -146,7 +146,11 @@ std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g) {
   for (auto nr : r.getNodes()) {
     g.nodes.emplace_back();
     ir::Node &node = g.nodes.back();
-    node.op = ir::Symbol::get(nr.getOp().cStr());
+    llvm::StringRef op(nr.getOp().cStr());
+    if (check)
+      if (std::string why = check(op); !why.empty())
+        return "node " + std::to_string(g.nodes.size() - 1) + " (" + op.str() + "): " + why;
+    node.op = ir::Symbol::get(op);
     for (auto ar : nr.getArgs()) {
       ir::Arg arg;
       switch (ar.which()) {

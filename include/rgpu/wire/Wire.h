@@ -11,6 +11,7 @@
 #include "rgpu.capnp.h" // generated from lib/wire/rgpu.capnp
 
 #include <capnp/message.h>
+#include <llvm/ADT/STLFunctionalExtras.h>
 
 #include <string>
 
@@ -46,8 +47,13 @@ void encodeMeta(const ir::TensorMeta &m, TensorMeta::Builder b);
 bool decodeMeta(TensorMeta::Reader r, ir::TensorMeta &m);
 
 void encodeGraph(const ir::Graph &g, Graph::Builder b);
-/// Decodes and structurally verifies a graph. Returns "" on success, else what is wrong.
-std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g);
+/// Says why an op name is refused ("" if it is accepted).
+using OpCheck = llvm::function_ref<std::string(llvm::StringRef)>;
+/// Decodes and structurally verifies a graph. Returns "" on success, else what is wrong. With
+/// \p check, every op name is checked before it is interned, so a refused graph leaves no name
+/// behind in the process.
+std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g,
+                        OpCheck check = nullptr);
 
 void encodeScalar(const ir::ScalarValue &v, ScalarValue::Builder b);
 ir::ScalarValue decodeScalar(ScalarValue::Reader r);

@@ -6,6 +6,7 @@
 #include <capnp/message.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstring>
@@ -49,11 +50,14 @@ struct ServerProcess {
         break;
       }
     }
-    // Keep draining the log so the server never blocks on a full pipe.
+    // Keep draining the log so the server never blocks on a full pipe (RGPU_TEST_SERVER_LOG=1
+    // shows it).
     std::thread([err] {
       char buf[512];
-      while (fgets(buf, sizeof buf, err)) {
-      }
+      bool show = std::getenv("RGPU_TEST_SERVER_LOG");
+      while (fgets(buf, sizeof buf, err))
+        if (show)
+          fputs(buf, stderr);
       fclose(err);
     }).detach();
   }
@@ -195,6 +199,87 @@ Peer &good() {
 void expectGoodSessionUnaffected() {
   ASSERT_TRUE(server().alive());
   EXPECT_EQ(good().squareOnServer(), (std::vector<float>{1, 4, 9}));
+}
+
+/// The server's resident memory, in MiB.
+double serverRssMiB() {
+  FILE *f = fopen(("/proc/" + std::to_string(server().pid) + "/status").c_str(), "r");
+  if (!f)
+    return -1;
+  char line[256];
+  double kib = -1;
+  while (fgets(line, sizeof line, f))
+    if (std::sscanf(line, "VmRSS: %lf kB", &kib) == 1)
+      break;
+  fclose(f);
+  return kib / 1024;
+}
+
+/// A well-behaved client computing on its own connection, on a thread of its own, for as long
+/// as an attack runs beside it; every result it gets must be right.
+class Beside {
+public:
+  Beside() {
+    thread_ = std::thread([this] {
+      Peer peer;
+      peer.hello();
+      while (!stop_) {
+        if (peer.squareOnServer() == std::vector<float>{1, 4, 9})
+          ++ok_;
+        else
+          ++wrong_;
+      }
+    });
+  }
+  /// Stops the client; true if it computed at least once and never got a wrong answer.
+  bool finish() {
+    while (ok_ + wrong_ == 0 && server().alive())
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    stop_ = true;
+    thread_.join();
+    return ok_ > 0 && wrong_ == 0;
+  }
+  ~Beside() {
+    if (thread_.joinable())
+      finish();
+  }
+
+private:
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> ok_{0}, wrong_{0};
+};
+
+/// Defines \p g and runs it once on \p inputs, downloading output 0 as \p outMeta; returns the
+/// reply.
+std::optional<net::Frame> defineRunDownload(Peer &peer, const ir::Graph &g,
+                                            std::vector<uint64_t> inputs,
+                                            const ir::TensorMeta &outMeta) {
+  ir::Hash128 hash = ir::hashGraph(g);
+  return peer.send(true, 3, [&](auto cmds) {
+    auto def = cmds[0].initDefine();
+    wire::encodeHash(hash, def.initHash());
+    wire::encodeGraph(g, def.initGraph());
+    auto run = cmds[1].initRun();
+    wire::encodeHash(hash, run.initHash());
+    auto in = run.initInputs(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i)
+      in.set(i, inputs[i]);
+    run.setFirstOutput(7000);
+    run.setNumOutputs(g.outputs.size());
+    auto down = cmds[2].initDownload();
+    down.setHandle(7000);
+    wire::encodeMeta(outMeta, down.initMeta());
+  });
+}
+
+/// The number of data bytes in a reply's results.
+size_t dataBytesOf(const net::Frame &reply) {
+  auto r = net::openFrame(reply, wire::Limits());
+  size_t n = 0;
+  for (auto result : r->getRoot<wire::ServerFrame>().getResults())
+    n += result.isData() ? result.getData().size() : 0;
+  return n;
 }
 
 } // namespace
@@ -411,6 +496,8 @@ TEST(Faults, UploadChunksThatWrapOrDisagreeAreRefusedWithoutTouchingMemory) {
 }
 
 TEST(Faults, ARunOfAnUnknownGraphPoisonsABoundedNumberOfOutputs) {
+  double before = serverRssMiB();
+  Beside beside;
   Peer bad;
   bad.hello();
   auto start = std::chrono::steady_clock::now();
@@ -423,6 +510,8 @@ TEST(Faults, ARunOfAnUnknownGraphPoisonsABoundedNumberOfOutputs) {
   ASSERT_TRUE(reply);
   EXPECT_NE(Peer::errorOf(*reply).find("unknown graph"), std::string::npos);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_LT(serverRssMiB() - before, 64.0); // 65536 poisoned handles, not 30 million
+  EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }
 
@@ -466,5 +555,227 @@ TEST(Faults, ADownloadOfBytesOutsideItsTensorIsAnError) {
     EXPECT_NE(Peer::errorOf(*reply).find("outside its 12 bytes"), std::string::npos)
         << Peer::errorOf(*reply);
   }
+  expectGoodSessionUnaffected();
+}
+
+namespace {
+
+/// One node graph: \p op applied to one f32[4] input (if \p withInput) with \p args.
+ir::Graph oneNode(const char *op, std::vector<ir::Arg> args, std::vector<std::string> strings,
+                  ir::TensorMeta out, bool withInput = true) {
+  ir::Graph g;
+  ir::Node n;
+  n.op = ir::Symbol::get(op);
+  if (withInput) {
+    g.inputs = {ir::TensorMeta::contiguous(ir::dtype::Float, {4})};
+    n.operands = {0};
+  }
+  n.args.assign(args.begin(), args.end());
+  n.strings.assign(strings.begin(), strings.end());
+  n.outputs = {out};
+  g.nodes.push_back(n);
+  g.outputs = {uint32_t(withInput ? 1 : 0)};
+  return g;
+}
+
+ir::Arg intList(size_t n) { return ir::Arg::ref(ir::Arg::Kind::List, n); }
+ir::Arg self() { return ir::Arg::ref(ir::Arg::Kind::Tensor, 0); }
+
+void uploadFour(Peer &peer, uint64_t handle) {
+  const float data[4] = {1, 2, 3, 4};
+  auto reply = peer.send(true, 1, [&](auto cmds) {
+    uploadChunk(cmds[0], handle, ir::TensorMeta::contiguous(ir::dtype::Float, {4}), 16, 0,
+                kj::arrayPtr(reinterpret_cast<const kj::byte *>(data), 16));
+  });
+  ASSERT_TRUE(reply);
+}
+
+} // namespace
+
+TEST(Faults, StridedViewsThatReachPastTheirStorageAreRefusedAtDefine) {
+  Beside beside;
+  Peer bad;
+  bad.hello();
+  uploadFour(bad, 50);
+  ir::TensorMeta f64 = ir::TensorMeta::contiguous(ir::dtype::Float, {64});
+  ir::TensorMeta f2m = ir::TensorMeta::contiguous(ir::dtype::Float, {1 << 19});
+  struct Case {
+    ir::Graph graph;
+    ir::TensorMeta out;
+  } cases[] = {
+      // 64 floats read through a 4-float tensor, and a 2 MiB read.
+      {oneNode("aten::_reshape_alias_copy", {self(), intList(1), ir::Arg::integer(64), intList(1),
+                                             ir::Arg::integer(1)}, {}, f64), f64},
+      {oneNode("aten::_reshape_alias", {self(), intList(1), ir::Arg::integer(1 << 19), intList(1),
+                                        ir::Arg::integer(1)}, {}, f2m), f2m},
+      {oneNode("aten::as_strided_copy", {self(), intList(1), ir::Arg::integer(64), intList(1),
+                                         ir::Arg::integer(1), ir::Arg::none()}, {}, f64), f64},
+      // In bounds by size, past the end by its offset.
+      {oneNode("aten::as_strided", {self(), intList(1), ir::Arg::integer(4), intList(1),
+                                    ir::Arg::integer(1), ir::Arg::integer(1)}, {},
+               ir::TensorMeta::contiguous(ir::dtype::Float, {4})),
+       ir::TensorMeta::contiguous(ir::dtype::Float, {4})},
+  };
+  for (const Case &c : cases) {
+    auto reply = defineRunDownload(bad, c.graph, {50}, c.out);
+    ASSERT_TRUE(reply);
+    std::string error = Peer::errorOf(*reply);
+    EXPECT_NE(error.find("reaches element"), std::string::npos) << error;
+    EXPECT_NE(error.find(c.graph.nodes[0].op.str().str()), std::string::npos) << error;
+    EXPECT_EQ(dataBytesOf(*reply), 0u);
+  }
+  // A view inside its storage still runs: [[1, 2], [3, 4]] transposed is 1, 3, 2, 4.
+  ir::TensorMeta two = ir::TensorMeta::contiguous(ir::dtype::Float, {2, 2});
+  ir::TensorMeta transposed = two;
+  transposed.strides = {1, 2};
+  auto reply = defineRunDownload(
+      bad,
+      oneNode("aten::as_strided_copy", {self(), intList(2), ir::Arg::integer(2),
+                                        ir::Arg::integer(2), intList(2), ir::Arg::integer(1),
+                                        ir::Arg::integer(2), ir::Arg::none()}, {}, two),
+      {50}, two);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(Peer::errorOf(*reply), "");
+  EXPECT_EQ(dataBytesOf(*reply), 16u);
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, EnumArgumentsOutOfRangeAreRefusedNamingTheArgument) {
+  Beside beside;
+  Peer bad;
+  bad.hello();
+  ir::TensorMeta four = ir::TensorMeta::contiguous(ir::dtype::Float, {4});
+  // aten::ones(size, dtype, layout, device, pin_memory)
+  auto ones = [&](ir::Arg dtype, ir::Arg layout) {
+    return oneNode("aten::ones", {intList(1), ir::Arg::integer(4), dtype, layout, ir::Arg::none(),
+                                  ir::Arg::none()}, {}, four, false);
+  };
+  struct Case {
+    ir::Graph graph;
+    const char *why;
+  } cases[] = {
+      {ones(ir::Arg::integer(-1), ir::Arg::none()), "argument 'dtype' is dtype number -1"},
+      {ones(ir::Arg::integer(1000), ir::Arg::none()), "argument 'dtype' is dtype number 1000"},
+      {ones(ir::Arg::integer(13), ir::Arg::none()), "argument 'dtype' is dtype number 13"},
+      {ones(ir::Arg::none(), ir::Arg::integer(1)), "argument 'layout' is layout number 1"},
+      {ones(ir::Arg::none(), ir::Arg::integer(-7)), "argument 'layout' is layout number -7"},
+      // aten::empty_like(self, dtype, layout, device, pin_memory, memory_format)
+      {oneNode("aten::empty_like", {self(), ir::Arg::none(), ir::Arg::none(), ir::Arg::none(),
+                                    ir::Arg::none(), ir::Arg::integer(99)}, {}, four),
+       "argument 'memory_format' is memory format number 99"},
+      // aten::empty.memory_format with a negative size
+      {oneNode("aten::empty.memory_format", {intList(1), ir::Arg::integer(-4), ir::Arg::none(),
+                                             ir::Arg::none(), ir::Arg::none(), ir::Arg::none(),
+                                             ir::Arg::none()}, {}, four, false),
+       "argument 'size' has a negative size"},
+  };
+  uploadFour(bad, 60);
+  for (const Case &c : cases) {
+    auto reply = defineRunDownload(bad, c.graph, c.graph.inputs.empty() ? std::vector<uint64_t>{}
+                                                                        : std::vector<uint64_t>{60},
+                                   four);
+    ASSERT_TRUE(reply);
+    std::string error = Peer::errorOf(*reply);
+    EXPECT_NE(error.find(c.why), std::string::npos) << c.why << ": " << error;
+    EXPECT_NE(error.find("node 0"), std::string::npos) << error;
+    EXPECT_EQ(dataBytesOf(*reply), 0u);
+  }
+  // In range, the same op runs.
+  auto reply = defineRunDownload(bad, ones(ir::Arg::integer(ir::dtype::Float), ir::Arg::integer(0)),
+                                 {}, four);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(Peer::errorOf(*reply), "");
+  EXPECT_EQ(dataBytesOf(*reply), 16u);
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, StringArgumentsOutsideTheirOpsTableAreRefused) {
+  Beside beside;
+  Peer bad;
+  bad.hello();
+  uploadFour(bad, 70);
+  ir::TensorMeta scalar = ir::TensorMeta::contiguous(ir::dtype::Float, {1});
+  // aten::segment_reduce(data, reduce, lengths, indices, offsets, axis, unsafe, initial): the
+  // reduce string once reached Inductor's generated C++ unescaped.
+  auto segment = [&](const std::string &reduce) {
+    return oneNode("aten::segment_reduce",
+                   {self(), ir::Arg::ref(ir::Arg::Kind::Str, 0), ir::Arg::none(), ir::Arg::none(),
+                    ir::Arg::none(), ir::Arg::integer(0), ir::Arg::boolean(false),
+                    ir::Arg::none()},
+                   {reduce}, scalar);
+  };
+  auto reply = defineRunDownload(
+      bad, segment("sum\"); system(\"touch /tmp/rgpu-owned\"); //"), {70}, scalar);
+  ASSERT_TRUE(reply);
+  std::string error = Peer::errorOf(*reply);
+  EXPECT_NE(error.find("argument 'reduce' is not one of sum, max, min, mean, prod"),
+            std::string::npos) << error;
+  // A free-form string argument refuses the op itself.
+  ir::Graph einsum = oneNode("aten::einsum", {ir::Arg::ref(ir::Arg::Kind::Str, 0), intList(1),
+                                              self(), ir::Arg::none()}, {"i->i"}, scalar);
+  reply = defineRunDownload(bad, einsum, {70}, scalar);
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("argument 'equation' is a free-form string"),
+            std::string::npos) << Peer::errorOf(*reply);
+  EXPECT_EQ(access("/tmp/rgpu-owned", F_OK), -1);
+  // A string from the op's table runs; any other is refused.
+  ir::TensorMeta four = ir::TensorMeta::contiguous(ir::dtype::Float, {4});
+  auto gelu = [&](const char *approximate) {
+    return oneNode("aten::gelu", {self(), ir::Arg::ref(ir::Arg::Kind::Str, 0)}, {approximate},
+                   four);
+  };
+  reply = defineRunDownload(bad, gelu("tanh"), {70}, four);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(Peer::errorOf(*reply), "");
+  EXPECT_EQ(dataBytesOf(*reply), 16u);
+  reply = defineRunDownload(bad, gelu("tanh'"), {70}, four);
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("argument 'approximate' is not one of none, tanh"),
+            std::string::npos) << Peer::errorOf(*reply);
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, RefusedDefinesLeaveNothingBehind) {
+  Peer warm;
+  warm.hello();
+  // Warm the allocator with one refused graph of the same size, so what is measured is growth.
+  auto refusedGraph = [](int k) {
+    ir::Graph g;
+    for (int n = 0; n < 20000; ++n) {
+      ir::Node node;
+      node.op = ir::Symbol::get("aten::not_an_op_" + std::to_string(k) + "_" + std::to_string(n) +
+                                std::string(64, 'x'));
+      node.outputs = {vec3()};
+      g.nodes.push_back(node);
+    }
+    g.outputs = {0};
+    return g;
+  };
+  auto define = [](Peer &peer, const ir::Graph &g) {
+    return peer.send(true, 1, [&](auto cmds) {
+      auto def = cmds[0].initDefine();
+      wire::encodeHash(ir::hashGraph(g), def.initHash());
+      wire::encodeGraph(g, def.initGraph());
+    });
+  };
+  ASSERT_TRUE(define(warm, refusedGraph(-1)));
+  double before = serverRssMiB();
+  {
+    Beside beside;
+    Peer bad;
+    bad.hello();
+    for (int k = 0; k < 100; ++k) { // 100 Defines of 20000 distinct op names, ~2 MiB each
+      auto reply = define(bad, refusedGraph(k));
+      ASSERT_TRUE(reply);
+      ASSERT_NE(Peer::errorOf(*reply).find("unknown op"), std::string::npos);
+    }
+    EXPECT_TRUE(beside.finish());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  double after = serverRssMiB();
+  EXPECT_LT(after - before, 16.0) << "RSS grew from " << before << " to " << after << " MiB";
   expectGoodSessionUnaffected();
 }
