@@ -5,12 +5,16 @@ PYTHON_SYS ?= python3
 VENV       := .venv
 PY         := $(VENV)/bin/python
 BUILD      := build
+FUZZ_BUILD := build-fuzz
+FUZZ_TARGETS := frame_fuzz graph_fuzz session_fuzz
+FUZZ_SECONDS ?= 60
 TORCH_PIN  ?= torch==2.13.0
-DEB_PKGS   := capnproto libcapnp-dev libuv1-dev llvm-dev libgtest-dev libbenchmark-dev ninja-build ccache
+DEB_PKGS   := capnproto libcapnp-dev libuv1-dev llvm-dev libgtest-dev libbenchmark-dev ninja-build ccache \
+              clang-14 libclang-rt-14-dev
 SUDO       := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CCACHE     := $(shell command -v ccache 2>/dev/null)
 
-.PHONY: all deps venv build test test-cpp test-python run bench clean
+.PHONY: all deps venv build test test-cpp test-python test-fuzz fuzz fuzz-build run bench clean
 
 all: build
 
@@ -45,7 +49,26 @@ test-cpp: build
 test-python: build
 	$(PY) -m pytest -q test/python
 
-test: test-cpp test-python
+# The fuzz targets: a separate clang build with libFuzzer, ASan and UBSan (test/fuzz).
+$(FUZZ_BUILD)/build.ninja: CMakeLists.txt | $(VENV)/.stamp
+	CC=clang-14 CXX=clang++-14 $(VENV)/bin/cmake -S . -B $(FUZZ_BUILD) -G Ninja \
+	  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRGPU_FUZZ=ON \
+	  -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+	  -DPython3_EXECUTABLE="$$(realpath $(PY))" \
+	  $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE))
+
+fuzz-build: deps venv $(FUZZ_BUILD)/build.ninja
+	$(VENV)/bin/cmake --build $(FUZZ_BUILD)
+
+# `make fuzz FUZZ_SECONDS=1800`: every target for that long, one after another.
+fuzz: fuzz-build
+	for t in $(FUZZ_TARGETS); do test/fuzz/run.sh $(FUZZ_BUILD) $$t $(FUZZ_SECONDS) || exit 1; done
+
+# The smoke run of `make test`: every seed and regression input, then a few seconds of fuzzing.
+test-fuzz: fuzz-build
+	for t in $(FUZZ_TARGETS); do test/fuzz/run.sh $(FUZZ_BUILD) $$t 10 -runs=20000 || exit 1; done
+
+test: test-cpp test-python test-fuzz
 
 run: build
 	$(PY) examples/train.py
@@ -56,4 +79,4 @@ bench: build
 	$(PY) bench/suite.py --build $(BUILD) $(if $(QUICK),--quick)
 
 clean:
-	rm -rf $(BUILD) python/rgpu/_C*.so python/rgpu/bin
+	rm -rf $(BUILD) $(FUZZ_BUILD) python/rgpu/_C*.so python/rgpu/bin

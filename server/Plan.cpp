@@ -112,7 +112,7 @@ at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta) {
   return r;
 }
 
-std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error) {
+std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error, uint64_t maxValueBytes) {
   std::unique_ptr<Plan> plan(new Plan());
   plan->graph_ = std::move(graph);
   if (std::string e = ir::verifyStructure(plan->graph_); !e.empty()) {
@@ -120,13 +120,23 @@ std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error) {
     return nullptr;
   }
   plan->metas_ = plan->graph_.valueMetas();
-  // Sizes are peer numbers: a layout whose byte span overflows is refused before anything is
-  // sized from it.
-  for (size_t v = 0; v < plan->metas_.size(); ++v)
-    if (plan->metas_[v]->dtype != ir::dtype::Undefined && plan->metas_[v]->storageBytes() < 0) {
+  // Sizes are peer numbers: a layout whose byte span overflows, or exceeds the limit, is refused
+  // before anything is sized from it.
+  for (size_t v = 0; v < plan->metas_.size(); ++v) {
+    const ir::TensorMeta &m = *plan->metas_[v];
+    if (m.dtype == ir::dtype::Undefined)
+      continue;
+    if (m.storageBytes() < 0) {
       error = "value " + std::to_string(v) + " has a layout whose size overflows";
       return nullptr;
     }
+    if (uint64_t(m.storageBytes()) > maxValueBytes) {
+      error = "value " + std::to_string(v) + " " + m.str() + " needs " +
+              std::to_string(m.storageBytes() >> 20) + " MiB, more than this server's limit of " +
+              std::to_string(maxValueBytes >> 20) + " MiB per tensor";
+      return nullptr;
+    }
+  }
   plan->producer_.assign(plan->graph_.inputs.size(), 0);
   for (uint32_t n = 0; n < plan->graph_.nodes.size(); ++n)
     plan->producer_.insert(plan->producer_.end(), plan->graph_.nodes[n].outputs.size(), n);

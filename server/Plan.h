@@ -48,8 +48,10 @@ struct RunContext {
 class Plan {
 public:
   /// Verifies \p graph against the op schemas and builds its plan. On failure returns null and
-  /// sets \p error to a message naming the node and op.
-  static std::unique_ptr<Plan> build(ir::Graph graph, std::string &error);
+  /// sets \p error to a message naming the node and op. No value may span more than
+  /// \p maxValueBytes.
+  static std::unique_ptr<Plan> build(ir::Graph graph, std::string &error,
+                                     uint64_t maxValueBytes = uint64_t(1) << 62);
 
   /// Runs the plan. \p inputs follow the graph's input order; on return \p outputs holds one
   /// entry per graph output. A node that throws poisons its outputs and everything downstream;

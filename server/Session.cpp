@@ -44,7 +44,7 @@ std::shared_ptr<const Plan> Context::define(const ir::Hash128 &hash, ir::Graph g
   }
   size_t nodes = graph.nodes.size();
   auto start = std::chrono::steady_clock::now();
-  std::shared_ptr<Plan> plan = Plan::build(std::move(graph), error);
+  std::shared_ptr<Plan> plan = Plan::build(std::move(graph), error, limits_.maxTensorBytes);
   if (!plan)
     return nullptr;
   plan->hash = hash;
@@ -450,6 +450,9 @@ void Session::upload(wire::Upload::Reader r) {
   std::string why;
   if (!wire::decodeMeta(r.getMeta(), meta) || meta.storageBytes() < 0)
     why = "its tensor meta is malformed";
+  else if (uint64_t(meta.storageBytes()) > ctx_.limits().maxTensorBytes)
+    why = "its " + std::to_string(meta.storageBytes() >> 20) +
+          " MiB are more than this server's limit per tensor";
   else if (uint64_t(meta.storageBytes()) != total)
     why = "its total of " + std::to_string(total) + " bytes is not its meta's " +
           std::to_string(meta.storageBytes());

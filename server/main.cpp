@@ -13,6 +13,7 @@
 #include <c10/core/DeviceType.h>
 
 #include <uv.h>
+#include <unistd.h>
 
 #include <condition_variable>
 #include <cstring>
@@ -52,6 +53,8 @@ options:
   --compile-mode MODE    default | max-autotune | reduce-overhead (compiled like
                          default; CUDA graphs are not used yet)
   --max-frame-mib N      largest frame accepted from a client, in MiB (default 1024)
+  --max-tensor-mib N     largest tensor a graph may hold or a client may upload, in MiB
+                         (default: this machine's physical memory)
   --refused-ops          list the aten ops this server refuses to run, with the reason
                          for each, and exit
   -h, --help             show this help
@@ -269,6 +272,7 @@ int main(int argc, char **argv) {
   const char *python = std::getenv("RGPU_PYTHON");
   int port = 9720;
   wire::Limits limits;
+  limits.maxTensorBytes = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -307,6 +311,8 @@ int main(int argc, char **argv) {
         else if (compile.mode != "max-autotune" && compile.mode != "reduce-overhead")
           return fail("unknown --compile-mode '" + compile.mode +
                       "': use default, max-autotune or reduce-overhead");
+      } else if (a == "--max-tensor-mib") {
+        limits.maxTensorBytes = std::stoull(value()) << 20;
       } else if (a == "--max-frame-mib") {
         limits.maxFrameBytes = std::stoull(value()) << 20;
       } else {

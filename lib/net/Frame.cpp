@@ -54,7 +54,13 @@ std::unique_ptr<capnp::MessageReader> openFrame(const Frame &frame, const wire::
       Owning(kj::ArrayPtr<const kj::byte> bytes, const capnp::ReaderOptions &options)
           : kj::ArrayInputStream(bytes), capnp::PackedMessageReader(*this, options) {}
     };
-    return std::make_unique<Owning>(bytes, options);
+    auto reader = std::make_unique<Owning>(bytes, options);
+    // Read every segment now: a segment table that promises more bytes than the frame holds
+    // must fail here, where the caller catches it, and not in the reader's destructor, where
+    // the exception would end the process.
+    for (uint32_t i = 1; reader->getSegment(i) != nullptr; ++i) {
+    }
+    return reader;
   }
   if (frame.bytes % sizeof(capnp::word) != 0)
     KJ_FAIL_REQUIRE("frame length is not a whole number of words");

@@ -28,6 +28,9 @@ struct Limits {
   uint64_t uploadChunkBytes = uint64_t(64) << 20;
   /// The most bytes one Download may ask for (a Cap'n Proto Data blob holds under 512 MiB).
   uint64_t maxDownloadBytes = uint64_t(256) << 20;
+  /// The largest tensor a graph may hold or an upload may carry, in bytes; graphs whose
+  /// values are larger are refused at Define (rgpu-opserver --max-tensor-mib).
+  uint64_t maxTensorBytes = uint64_t(1) << 40;
   /// Cap'n Proto nesting limit: our schema nests at most 6 deep.
   int nestingLimit = 16;
   /// The largest graph accepted, in nodes.

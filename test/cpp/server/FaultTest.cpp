@@ -328,6 +328,25 @@ TEST(Faults, ATruncatedMessageGetsAnErrorAndAClose) {
   expectGoodSessionUnaffected();
 }
 
+TEST(Faults, APackedFrameWhoseSegmentTablePromisesMoreThanItHoldsIsRefused) {
+  // Found by graph_fuzz (test/fuzz/regressions): the packed reader read such a frame lazily and
+  // threw from its destructor, which ended the process.
+  Peer bad;
+  bad.hello();
+  const unsigned char payload[] = {0x11, 0x01, 0xd6, 0x01, 0x7a, 0x00, 0x00, 0x00, 0xd6, 0x01,
+                                   0x00, 0x00, 0x00, 0x00};
+  char header[net::kHeaderBytes];
+  uint32_t magic = net::kMagic, flags = net::kFlagPacked;
+  uint64_t length = sizeof payload;
+  memcpy(header, &magic, 4);
+  memcpy(header + 4, &flags, 4);
+  memcpy(header + 8, &length, 8);
+  bad.sendRaw(std::string(header, sizeof header) +
+              std::string(reinterpret_cast<const char *>(payload), sizeof payload));
+  EXPECT_TRUE(bad.closedByServer());
+  expectGoodSessionUnaffected();
+}
+
 TEST(Faults, ADefineNamingAnUnknownOpIsAnErrorAndTheSessionGoesOn) {
   Peer bad;
   bad.hello();

@@ -1,0 +1,51 @@
+// libFuzzer target: the frame decoder and every message decoder behind it (commands, graphs,
+// metas, scalars), with no torch. A malformed input must be an error, never a crash, an
+// out-of-bounds access or undefined behaviour.
+#include "FuzzCommon.h"
+
+#include <kj/exception.h>
+
+using namespace rgpu;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  const wire::Limits l = fuzz::limits();
+  for (const net::Frame &frame : fuzz::frames(data, size, l)) {
+    try {
+      auto reader = net::openFrame(frame, l);
+      auto cf = reader->getRoot<wire::ClientFrame>();
+      for (auto cmd : cf.getCommands()) {
+        switch (cmd.which()) {
+        case wire::Command::DEFINE: {
+          ir::Graph g;
+          if (wire::decodeGraph(cmd.getDefine().getGraph(), l, g).empty()) {
+            ir::hashGraph(g);
+            ir::canonicalize(g);
+          }
+          break;
+        }
+        case wire::Command::RUN:
+          for (auto s : cmd.getRun().getScalars())
+            wire::decodeScalar(s);
+          break;
+        case wire::Command::UPLOAD: {
+          ir::TensorMeta m;
+          if (wire::decodeMeta(cmd.getUpload().getMeta(), m))
+            m.storageBytes();
+          cmd.getUpload().getData();
+          break;
+        }
+        case wire::Command::DOWNLOAD: {
+          ir::TensorMeta m;
+          if (wire::decodeMeta(cmd.getDownload().getMeta(), m))
+            m.str();
+          break;
+        }
+        default: break;
+        }
+      }
+    } catch (const kj::Exception &) {
+      // A malformed message: the server closes that connection.
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,153 @@
+"""Records the seed corpora of the fuzz targets from real client traffic.
+
+    .venv/bin/python test/fuzz/record_corpus.py
+
+Starts an rgpu-opserver, puts a recording relay in front of it and runs small real workloads
+(training, views, dtypes, data-dependent ops, errors) through it. What each client sent is
+kept byte for byte: corpus/stream/ holds whole connections (frame_fuzz, session_fuzz) and
+corpus/frame/ single frames as `flags byte + payload` (graph_fuzz).
+"""
+
+import asyncio
+import os
+import re
+import struct
+import subprocess
+import sys
+import threading
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+OPSERVER = os.path.join(ROOT, "python", "rgpu", "bin", "rgpu-opserver")
+
+WORKLOADS = {
+    "mlp_sgd": """
+net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(d)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+for _ in range(3):
+    loss = net(torch.randn(5, 4, device=d)).square().mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+print(loss.item())
+""",
+    "adam_embedding": """
+emb = torch.nn.Embedding(10, 4).to(d); lin = torch.nn.Linear(4, 10).to(d)
+opt = torch.optim.Adam(list(emb.parameters()) + list(lin.parameters()), lr=1e-2)
+for _ in range(2):
+    idx = torch.tensor([[1, 2, 3], [4, 5, 6]], device=d)
+    loss = torch.nn.functional.cross_entropy(lin(emb(idx)).flatten(0, 1), idx.flatten())
+    opt.zero_grad(); loss.backward(); opt.step()
+print(loss.item())
+""",
+    "views": """
+x = torch.arange(12., device=d).reshape(3, 4)
+y = x.t()[1:]; y += 1; z = x.as_strided((2, 2), (1, 4), 1)
+w = x.unsqueeze(0).expand(2, 3, 4).contiguous(); x[0].mul_(2)
+print(x.cpu(), y.cpu(), z.cpu(), w.sum().item(), x.view(-1)[::3].cpu())
+""",
+    "dtypes": """
+a = torch.arange(6, device=d, dtype=torch.int32); b = a > 2
+c = torch.randn(3, device=d, dtype=torch.bfloat16) * 2
+z = torch.randn(3, device=d, dtype=torch.complex64).conj() * 1j
+print(a.cpu(), b.cpu(), (a // 2).cpu(), c.float().cpu(), z.abs().cpu(), a.to(torch.float16).cpu())
+""",
+    "data_dependent": """
+x = torch.randn(8, device=d)
+print(x[x > 0].cpu(), torch.nonzero(x > 0).cpu(), x.tolist(), torch.unique(torch.tensor([3, 1, 3], device=d)).cpu())
+""",
+    "conv_norm": """
+net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.BatchNorm2d(3), torch.nn.GELU(approximate="tanh"), torch.nn.AdaptiveAvgPool2d(1)).to(d)
+x = torch.randn(2, 2, 5, 5, device=d).to(memory_format=torch.channels_last)
+net(x).sum().backward(); net.eval(); print(net(x).cpu(), torch.nn.functional.dropout(x, 0.5).sum().item())
+""",
+    "errors": """
+torch.manual_seed(1)
+try:
+    (torch.randn(2, 3, device=d) @ torch.randn(2, 3, device=d)).cpu()
+except Exception as e:
+    print(type(e).__name__)
+print(torch.div(torch.arange(5, device=d), 2, rounding_mode="floor").cpu(), torch.empty(3, device=d).cpu())
+""",
+}
+
+
+async def relay(target_port, record, ready):
+    """Accepts connections, forwards both ways, and records what each client sends."""
+
+    async def handle(reader, writer):
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", target_port)
+        sent = bytearray()
+        record.append(sent)
+
+        async def pump(src, dst, keep):
+            try:
+                while data := await src.read(1 << 16):
+                    if keep is not None:
+                        keep.extend(data)
+                    dst.write(data)
+                    await dst.drain()
+            except ConnectionError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pump(reader, up_w, sent), pump(up_r, writer, None))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    ready.append(server.sockets[0].getsockname()[1])
+    async with server:
+        await server.serve_forever()
+
+
+def frames(stream):
+    """The frames of a recorded connection, as (flags, payload)."""
+    at = 0
+    while at + 16 <= len(stream):
+        magic, flags, length = struct.unpack_from("<IIQ", stream, at)
+        if magic != 0x55504752 or at + 16 + length > len(stream):
+            return
+        yield flags, bytes(stream[at + 16:at + 16 + length])
+        at += 16 + length
+
+
+def main():
+    server = subprocess.Popen([OPSERVER, "--device", "cpu", "--port", "0", "--compiler", "plan"],
+                              stderr=subprocess.PIPE, text=True)
+    port = None
+    for line in server.stderr:
+        if m := re.search(r"listening on [0-9.]+:([0-9]+)", line):
+            port = int(m.group(1))
+            break
+    threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+    record, ready = [], []
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=lambda: loop.run_until_complete(relay(port, record, ready)),
+                     daemon=True).start()
+    while not ready:
+        pass
+    os.makedirs(os.path.join(HERE, "corpus", "stream"), exist_ok=True)
+    os.makedirs(os.path.join(HERE, "corpus", "frame"), exist_ok=True)
+    env = dict(os.environ, RGPU_OPSERVER=f"127.0.0.1:{ready[0]}", RGPU_CACHE_DIR="off")
+    try:
+        for name, body in WORKLOADS.items():
+            before = len(record)
+            code = "import torch, rgpu\nd = 'rgpu'\ntorch.manual_seed(0)\n" + body
+            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                               text=True, timeout=300)
+            if r.returncode != 0:
+                sys.exit(f"{name} failed:\n{r.stderr}")
+            streams = record[before:]
+            for k, stream in enumerate(streams):
+                with open(os.path.join(HERE, "corpus", "stream", f"{name}-{k}"), "wb") as f:
+                    f.write(stream)
+                for n, (flags, payload) in enumerate(frames(stream)):
+                    if len(payload) <= 1 << 16:
+                        path = os.path.join(HERE, "corpus", "frame", f"{name}-{k}-{n}")
+                        with open(path, "wb") as f:
+                            f.write(bytes([flags]) + payload)
+            print(f"{name}: {sum(len(s) for s in streams)} bytes in {len(streams)} connection(s)")
+    finally:
+        server.kill()
+
+
+if __name__ == "__main__":
+    main()
