@@ -45,22 +45,63 @@ std::string encodeFrame(capnp::MessageBuilder &message, bool pack) {
   return out;
 }
 
+namespace {
+/// Expands Cap'n Proto's packed encoding into at most \p maxWords words; throws on malformed or
+/// oversized input. Each word is a tag byte whose bits say which of its bytes follow; tag 0 is
+/// followed by a count of further zero words, tag 0xff by a count of words copied verbatim.
+kj::Array<capnp::word> unpack(kj::ArrayPtr<const kj::byte> in, uint64_t maxWords) {
+  std::vector<kj::byte> out;
+  size_t at = 0;
+  auto need = [&](size_t n) {
+    KJ_REQUIRE(in.size() - at >= n, "packed frame ends inside a word");
+  };
+  auto grow = [&](uint64_t words) {
+    KJ_REQUIRE(out.size() / 8 + words <= maxWords, "packed frame expands past its limit");
+  };
+  while (at < in.size()) {
+    kj::byte tag = in[at++];
+    grow(1);
+    for (int bit = 0; bit < 8; ++bit) {
+      if (tag & (1 << bit)) {
+        need(1);
+        out.push_back(in[at++]);
+      } else {
+        out.push_back(0);
+      }
+    }
+    if (tag == 0x00) {
+      need(1);
+      uint64_t zeros = in[at++];
+      grow(zeros);
+      out.resize(out.size() + zeros * 8, 0);
+    } else if (tag == 0xff) {
+      need(1);
+      uint64_t raw = in[at++];
+      need(raw * 8);
+      grow(raw);
+      out.insert(out.end(), in.begin() + at, in.begin() + at + raw * 8);
+      at += raw * 8;
+    }
+  }
+  auto words = kj::heapArray<capnp::word>(out.size() / 8);
+  if (!out.empty())
+    std::memcpy(words.begin(), out.data(), out.size());
+  return words;
+}
+} // namespace
+
 std::unique_ptr<capnp::MessageReader> openFrame(const Frame &frame, const wire::Limits &limits) {
   capnp::ReaderOptions options = wire::readerOptions(limits, frame.bytes, frame.flags & kFlagPacked);
   auto bytes = frame.words.asBytes().slice(0, frame.bytes);
   if (frame.flags & kFlagPacked) {
-    // The packed reader may pull segments lazily, so it must own the stream it reads from.
-    struct Owning : kj::ArrayInputStream, capnp::PackedMessageReader {
-      Owning(kj::ArrayPtr<const kj::byte> bytes, const capnp::ReaderOptions &options)
-          : kj::ArrayInputStream(bytes), capnp::PackedMessageReader(*this, options) {}
+    // Unpacked whole, up to what the traversal limit allows, then read flat: no reader that
+    // pulls segments lazily (and can throw from its destructor) ever sees a peer's bytes.
+    struct Owning : capnp::FlatArrayMessageReader {
+      kj::Array<capnp::word> words;
+      Owning(kj::Array<capnp::word> w, const capnp::ReaderOptions &options)
+          : capnp::FlatArrayMessageReader(w, options), words(std::move(w)) {}
     };
-    auto reader = std::make_unique<Owning>(bytes, options);
-    // Read every segment now: a segment table that promises more bytes than the frame holds
-    // must fail here, where the caller catches it, and not in the reader's destructor, where
-    // the exception would end the process.
-    for (uint32_t i = 1; reader->getSegment(i) != nullptr; ++i) {
-    }
-    return reader;
+    return std::make_unique<Owning>(unpack(bytes, options.traversalLimitInWords), options);
   }
   if (frame.bytes % sizeof(capnp::word) != 0)
     KJ_FAIL_REQUIRE("frame length is not a whole number of words");
