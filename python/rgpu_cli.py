@@ -22,7 +22,7 @@ def _native(name):
 
 def opserver() -> None:
     """``rgpu-opserver``: runs the native server shipped inside the package. Its Inductor compiles
-    run in this Python, which can import rgpu and torch."""
+    run in this Python, which has torch."""
     os.environ.setdefault("RGPU_PYTHON", sys.executable)
     _native("rgpu-opserver")
 

@@ -2,6 +2,9 @@
 #include "Log.h"
 
 #include "rgpu/wire/Cache.h"
+#include "rgpu/wire/Wire.h"
+
+#include <capnp/serialize.h>
 
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
@@ -13,12 +16,12 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -29,8 +32,11 @@ namespace rgpu::server {
 namespace fs = std::filesystem;
 
 namespace {
-/// Bumped whenever rgpu.inductor_worker changes what it builds from the same graph.
-constexpr const char *kWorkerFormat = "1";
+/// spawnWorker's status for a compile stopped at its deadline.
+constexpr int kTimedOut = -2;
+
+/// Bumped whenever inductor_worker.py changes what it builds from the same graph.
+constexpr const char *kWorkerFormat = "2";
 
 std::string hex64(uint64_t v) {
   char buf[17];
@@ -44,64 +50,25 @@ std::string seconds(double s) {
   return buf;
 }
 
-/// The last non-empty line of a file: where the worker puts the reason it failed.
-std::string lastLine(const std::string &path) {
-  std::ifstream in(path);
-  std::string line, last;
-  while (std::getline(in, line))
-    if (line.find_first_not_of(" \t\r") != std::string::npos)
-      last = line;
-  return last;
-}
-
-void writeScalars(const std::string &path, llvm::ArrayRef<ir::ScalarValue> scalars) {
-  std::ofstream out(path);
-  char buf[64];
-  for (const ir::ScalarValue &v : scalars) {
-    switch (v.kind) {
-    case ir::ScalarValue::Kind::Int: out << "i " << v.i << "\n"; break;
-    case ir::ScalarValue::Kind::Bool: out << "b " << (v.i ? 1 : 0) << "\n"; break;
-    case ir::ScalarValue::Kind::Double:
-      std::snprintf(buf, sizeof buf, "%a", v.d);
-      out << "d " << buf << "\n";
-      break;
-    case ir::ScalarValue::Kind::Complex:
-      std::snprintf(buf, sizeof buf, "%a %a", v.d, v.imag);
-      out << "c " << buf << "\n";
-      break;
-    }
+/// Reads a CompileResult file: "" and the constants of a successful compile, else why not (the
+/// worker's error, or why the file cannot be read).
+std::string readResult(const std::string &path,
+                       std::vector<std::pair<uint32_t, ir::ScalarValue>> &constants) {
+  kj::Array<capnp::word> words;
+  if (std::string e = wire::readMessageFile(path, words); !e.empty())
+    return e;
+  try {
+    capnp::FlatArrayMessageReader reader(
+        words, wire::readerOptions(wire::Limits(), words.asBytes().size(), false));
+    auto result = reader.getRoot<wire::CompileResult>();
+    if (result.isError())
+      return result.getError();
+    for (auto c : result.getOk().getConstants())
+      constants.emplace_back(c.getSlot(), wire::decodeScalar(c.getValue()));
+    return "";
+  } catch (const kj::Exception &e) {
+    return path + ": " + e.getDescription().cStr();
   }
-}
-
-/// Parses the `slot kind value` lines the worker wrote next to the package.
-bool readSpec(const std::string &path, std::vector<std::pair<uint32_t, ir::ScalarValue>> &out) {
-  std::ifstream in(path);
-  if (!in)
-    return false;
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream ls(line);
-    uint32_t slot;
-    std::string kind, a, b;
-    if (!(ls >> slot >> kind >> a))
-      return false;
-    ir::ScalarValue v;
-    if (kind == "i" || kind == "b") {
-      v.kind = kind == "i" ? ir::ScalarValue::Kind::Int : ir::ScalarValue::Kind::Bool;
-      v.i = std::stoll(a);
-    } else if (kind == "d") {
-      v.kind = ir::ScalarValue::Kind::Double;
-      v.d = std::strtod(a.c_str(), nullptr);
-    } else if (kind == "c" && (ls >> b)) {
-      v.kind = ir::ScalarValue::Kind::Complex;
-      v.d = std::strtod(a.c_str(), nullptr);
-      v.imag = std::strtod(b.c_str(), nullptr);
-    } else {
-      return false;
-    }
-    out.emplace_back(slot, v);
-  }
-  return true;
 }
 
 /// Removes temporary files (`NAME.tmpPID...`) whose writer is no longer running.
@@ -174,7 +141,6 @@ Compiler::Compiler(CompilerOptions options, at::Device device)
   key_ = hex64(llvm::xxHash64(llvm::StringRef(key)));
   std::error_code ec;
   fs::create_directories(options_.cacheDir + "/inductor", ec);
-  fs::create_directories(options_.cacheDir + "/graphs", ec);
   sweepTemporaries(options_.cacheDir + "/inductor");
   for (unsigned i = 0; i < std::max(1u, options_.jobs); ++i)
     threads_.emplace_back([this] { work(); });
@@ -282,8 +248,8 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
   size_t nodes = job.plan->graph().nodes.size();
   auto load = [&]() -> std::shared_ptr<const CompiledGraph> {
     std::vector<std::pair<uint32_t, ir::ScalarValue>> constants;
-    if (!readSpec(package + ".spec", constants)) {
-      error = "its package has no readable .spec file";
+    if (std::string e = readResult(package + ".spec", constants); !e.empty()) {
+      error = "its package has no readable .spec file (" + e + ")";
       return nullptr;
     }
     try {
@@ -309,35 +275,56 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
     log(name + ": " + error + "; compiling it again");
     fs::remove(package, ec);
   } else if (fs::exists(failed, ec)) {
-    error = "an earlier compile failed: " + lastLine(failed) + " (delete " + failed +
+    std::vector<std::pair<uint32_t, ir::ScalarValue>> none;
+    error = "an earlier compile failed: " + readResult(failed, none) + " (delete " + failed +
             " to retry)";
     log(name + ": stays on the plan executor; " + error);
     return nullptr;
   }
 
-  // The worker reads the graph from the graph cache and the triggering run's scalars.
-  if (std::string e = wire::writeCachedGraph(options_.cacheDir + "/graphs",
-                                             {hash, job.plan->graph(), 0, 0, ""});
-      !e.empty()) {
-    error = "cannot write the graph for the compiler: " + e;
-    log(name + ": " + error);
-    return nullptr;
+  // The job: the graph (which passed every check of the plan builder), the op each node runs,
+  // and the scalars of the run that asked for it. The worker answers in `result`.
+  std::string tmp = ".tmp" + std::to_string(getpid());
+  std::string jobPath = base + ".job" + tmp, resultPath = base + ".result" + tmp;
+  {
+    capnp::MallocMessageBuilder b;
+    auto j = b.initRoot<wire::CompileJob>();
+    const ir::Graph &g = job.plan->graph();
+    wire::encodeHash(hash, j.initHash());
+    wire::encodeGraph(g, j.initGraph());
+    auto ops = j.initRunOps(g.nodes.size());
+    std::vector<uint32_t> zeroFill;
+    for (uint32_t n = 0; n < g.nodes.size(); ++n) {
+      ops.set(n, job.plan->runOp(n));
+      if (job.plan->zeroFills(n))
+        zeroFill.push_back(n);
+    }
+    auto zf = j.initZeroFill(zeroFill.size());
+    for (size_t i = 0; i < zeroFill.size(); ++i)
+      zf.set(i, zeroFill[i]);
+    auto scalars = j.initScalars(job.scalars.size());
+    for (size_t i = 0; i < job.scalars.size(); ++i)
+      wire::encodeScalar(job.scalars[i], scalars[i]);
+    j.setDevice(device_.str());
+    j.setMode(options_.mode);
+    j.setPackage(package);
+    j.setResult(resultPath);
+    if (std::string e = wire::writeMessageFile(jobPath, b); !e.empty()) {
+      error = "cannot write the compile job: " + e;
+      log(name + ": " + error);
+      return nullptr;
+    }
   }
-  std::string scalarsPath = base + ".scalars.tmp" + std::to_string(getpid());
-  writeScalars(scalarsPath, job.scalars);
-  std::vector<std::string> argv = {
-      options_.python, "-m", "rgpu.inductor_worker",
-      "--graph", wire::cacheFilePath(options_.cacheDir + "/graphs", hash),
-      "--scalars", scalarsPath, "--out", package, "--device", device_.str()};
-  if (!options_.mode.empty())
-    argv.insert(argv.end(), {"--mode", options_.mode});
+  std::vector<std::string> argv = {options_.python, options_.worker, "--job", jobPath};
   log(name + ": compiling with inductor in the background (" + std::to_string(nodes) +
       " nodes); it runs on the plan executor meanwhile");
   auto start = std::chrono::steady_clock::now();
   int status = spawnWorker(argv, base + ".log");
   double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  fs::remove(scalarsPath, ec);
-  if (status != 0) {
+  fs::remove(jobPath, ec);
+  std::vector<std::pair<uint32_t, ir::ScalarValue>> none;
+  std::string said = fs::exists(resultPath, ec) ? readResult(resultPath, none) : "no result";
+  if (status != 0 || !said.empty()) {
     bool stopping;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -346,22 +333,31 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
     if (stopping) {
       error = "cancelled by the shutdown";
       log(name + ": compile cancelled by the shutdown; nothing of it is kept");
-    } else if (status == 1) {
+    } else if (status == 1 && said != "no result") {
       // The worker said why: keep its log and remember the failure across restarts.
-      error = lastLine(base + ".log");
-      std::ofstream(failed) << error << "\n";
+      error = said;
+      fs::rename(resultPath, failed, ec);
       ++failures;
       log(name + ": inductor compile failed after " + seconds(took) + ": " + error +
           "; it stays on the plan executor (log: " + base + ".log)");
+    } else if (status == kTimedOut) {
+      error = "the compile ran past its deadline of " + std::to_string(options_.timeoutSeconds) +
+              " s and was stopped";
+      ++failures;
+      log(name + ": " + error + "; it stays on the plan executor");
     } else if (status == 127) {
-      error = "could not start the compile worker " + options_.python;
+      error = "could not start the compile worker " + options_.python + " " + options_.worker;
       log(name + ": " + error);
     } else {
-      error = "the compile worker stopped (status " + std::to_string(status) + ")";
-      log(name + ": " + error);
+      error = "the compile worker stopped (status " + std::to_string(status) +
+              "; a CPU-time or memory limit ends it with a signal)";
+      ++failures;
+      log(name + ": " + error + "; it stays on the plan executor (log: " + base + ".log)");
     }
+    fs::remove(resultPath, ec);
     return nullptr;
   }
+  fs::rename(resultPath, package + ".spec", ec);
   fs::remove(base + ".log", ec);
   std::shared_ptr<const CompiledGraph> compiled = load();
   if (!compiled) {
@@ -390,6 +386,8 @@ int Compiler::spawnWorker(const std::vector<std::string> &argv, const std::strin
     env.push_back(e.data());
   env.push_back(nullptr);
 
+  const rlim_t cpuSeconds = options_.cpuSeconds;
+  const rlim_t addressSpace = device_.is_cuda() ? 0 : rlim_t(options_.memoryMiB) << 20;
   pid_t pid;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -407,6 +405,16 @@ int Compiler::spawnWorker(const std::vector<std::string> &argv, const std::strin
       }
       if (in >= 0)
         dup2(in, 0);
+      // Nothing of the server is inherited: no client sockets, no listener, no cache files.
+      if (syscall(SYS_close_range, 3u, ~0u, 0u) != 0)
+        for (int fd = 3; fd < 65536; ++fd)
+          close(fd);
+      rlimit cpu{cpuSeconds, cpuSeconds + 5};
+      setrlimit(RLIMIT_CPU, &cpu);
+      if (addressSpace) {
+        rlimit as{addressSpace, addressSpace};
+        setrlimit(RLIMIT_AS, &as);
+      }
       execve(args[0], args.data(), env.data());
       _exit(127);
     }
@@ -414,11 +422,24 @@ int Compiler::spawnWorker(const std::vector<std::string> &argv, const std::strin
       return -1;
     children_.insert(pid);
   }
+  // A wall-clock deadline as well: a compile blocked on anything stops all the same.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(options_.timeoutSeconds);
   int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  bool timedOut = false;
+  for (;;) {
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid || (r < 0 && errno != EINTR))
+      break;
+    if (!timedOut && std::chrono::steady_clock::now() > deadline) {
+      timedOut = true;
+      kill(-pid, SIGKILL);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::lock_guard<std::mutex> lock(mu_);
   children_.erase(pid);
+  if (timedOut)
+    return kTimedOut;
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 

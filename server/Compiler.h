@@ -1,8 +1,13 @@
 //===- server/Compiler.h - Inductor compiles in the background ---------------===//
 //
 // With --compiler inductor, a graph that has run often enough is compiled with AOTInductor in a
-// separate Python process (python -m rgpu.inductor_worker) while it keeps running on its plan;
-// later runs switch to the compiled package, which the server runs from C++ without Python.
+// separate Python process (inductor_worker.py, next to the server) while it keeps running on its
+// plan; later runs switch to the compiled package, which the server runs from C++ without
+// Python. Only graphs whose plan was built are compiled, so everything the plan builder checks
+// (the op allow-list, argument values, string tables) holds for compiled code too. The worker
+// gets one Cap'n Proto CompileJob and answers with a CompileResult; it runs with no inherited
+// descriptors, a CPU-time and an address-space limit and a wall-clock deadline, and a compile
+// that fails in any way leaves its graph on the plan executor.
 //
 // Compiled packages live in the cache directory, named by the graph hash and a key of everything
 // else that shapes the artifact (torch version, device, mode, worker format), so a restarted
@@ -34,11 +39,15 @@ class AOTIModelPackageLoader;
 namespace rgpu::server {
 
 struct CompilerOptions {
-  std::string cacheDir; ///< Where graphs and packages persist.
-  std::string python;   ///< An interpreter that can import rgpu and torch.
+  std::string cacheDir; ///< Where packages persist.
+  std::string python;   ///< An interpreter that can import torch.
+  std::string worker;   ///< inductor_worker.py, shipped next to rgpu-opserver.
   std::string mode;     ///< "" (default), "max-autotune" or "reduce-overhead".
   unsigned after = 2;   ///< Compile a graph once it has run this many times.
   unsigned jobs = 1;    ///< Compiles running at once.
+  /// Limits of each compile process: CPU seconds, address space (CPU devices only: CUDA
+  /// reserves more address space than any sane limit) and a wall-clock deadline.
+  unsigned cpuSeconds = 900, memoryMiB = 16384, timeoutSeconds = 600;
 };
 
 /// A graph compiled by AOTInductor, ready to run.

@@ -361,6 +361,11 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   return "";
 }
 
+std::string Plan::runOp(uint32_t n) const {
+  const c10::OperatorName &name = steps_[n].op->operator_name();
+  return name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+}
+
 c10::Scalar toScalar(const ir::ScalarValue &v) {
   switch (v.kind) {
   case ir::ScalarValue::Kind::Int: return v.i;

@@ -62,6 +62,10 @@ public:
                const RunContext &ctx, std::vector<Entry> &outputs, bool exactLayout = true) const;
 
   const ir::Graph &graph() const { return graph_; }
+  /// The op node \p n runs ("aten::transpose.int" for a functionalized `transpose_copy.int`).
+  std::string runOp(uint32_t n) const;
+  /// True if node \p n is of the `empty` family, whose outputs are zero-filled.
+  bool zeroFills(uint32_t n) const { return steps_[n].zeroFill; }
   /// True if some node draws random numbers (from the session's generator).
   bool drawsRandom() const { return random_; }
   ir::Hash128 hash;

@@ -52,6 +52,11 @@ options:
   --compile-jobs N       compiles running at once, each a separate process (default 1)
   --compile-mode MODE    default | max-autotune | reduce-overhead (compiled like
                          default; CUDA graphs are not used yet)
+  --compile-timeout S    wall-clock deadline of one compile, in seconds (default 600)
+  --compile-cpu-seconds S
+                         CPU time one compile may use (default 900)
+  --compile-memory-mib N address space one compile may use on a CPU server (default
+                         16384; not applied with CUDA, which reserves more than that)
   --max-frame-mib N      largest frame accepted from a client, in MiB (default 1024)
   --max-tensor-mib N     largest tensor a graph may hold or a client may upload, in MiB
                          (default: this machine's physical memory)
@@ -60,7 +65,10 @@ options:
   -h, --help             show this help
 
 Logs go to stderr, prefixed with "rgpu-opserver:". The inductor compiler runs
-`$RGPU_PYTHON -m rgpu.inductor_worker`; the rgpu-opserver command sets RGPU_PYTHON.
+`$RGPU_PYTHON inductor_worker.py` from this program's directory, one process per
+compile, with no inherited descriptors and the limits above; the rgpu-opserver command
+sets RGPU_PYTHON. A compile that fails or times out leaves its graph on the plan
+executor.
 )";
 
 struct Server;
@@ -311,6 +319,12 @@ int main(int argc, char **argv) {
         else if (compile.mode != "max-autotune" && compile.mode != "reduce-overhead")
           return fail("unknown --compile-mode '" + compile.mode +
                       "': use default, max-autotune or reduce-overhead");
+      } else if (a == "--compile-timeout") {
+        compile.timeoutSeconds = std::max(1, std::stoi(value()));
+      } else if (a == "--compile-cpu-seconds") {
+        compile.cpuSeconds = std::max(1, std::stoi(value()));
+      } else if (a == "--compile-memory-mib") {
+        compile.memoryMiB = std::max(256, std::stoi(value()));
       } else if (a == "--max-tensor-mib") {
         limits.maxTensorBytes = std::stoull(value()) << 20;
       } else if (a == "--max-frame-mib") {
@@ -327,8 +341,8 @@ int main(int argc, char **argv) {
   } else if (compiler != "plan" && compiler != "inductor") {
     return fail("unknown compiler '" + compiler + "': use --compiler inductor or --compiler plan");
   } else if (compiler == "inductor" && !(python && *python)) {
-    return fail("--compiler inductor needs RGPU_PYTHON, a Python with rgpu and torch; start "
-                "the server with the rgpu-opserver command, which sets it");
+    return fail("--compiler inductor needs RGPU_PYTHON, a Python with torch; start the server "
+                "with the rgpu-opserver command, which sets it");
   }
   if (compile.cacheDir.empty())
     compile.cacheDir = defaultCacheDir();
@@ -345,6 +359,10 @@ int main(int argc, char **argv) {
   std::unique_ptr<Compiler> inductor;
   if (compiler == "inductor") {
     compile.python = python;
+    char self[4096];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    std::string dir = n > 0 ? std::string(self, n) : std::string(argv[0]);
+    compile.worker = dir.substr(0, dir.rfind('/') + 1) + "inductor_worker.py";
     inductor = std::make_unique<Compiler>(compile, dev);
   }
   server.ctx = std::make_unique<Context>(dev, limits, std::move(inductor));

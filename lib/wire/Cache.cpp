@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <unistd.h>
 
 namespace rgpu::wire {
@@ -28,19 +29,9 @@ std::string cacheFilePath(const std::string &dir, const ir::Hash128 &hash) {
   return std::string(path);
 }
 
-std::string writeCachedGraph(const std::string &dir, const GraphRecord &g) {
-  if (std::error_code ec = llvm::sys::fs::create_directories(dir))
-    return "cannot create " + dir + ": " + ec.message();
-  capnp::MallocMessageBuilder b;
-  auto root = b.initRoot<wire::CachedGraph>();
-  encodeHash(g.hash, root.initHash());
-  encodeGraph(g.graph, root.initGraph());
-  root.setFirstSeen(g.firstSeen);
-  root.setRuns(g.runs);
-  root.setCutAt(g.cutAt);
-  auto words = capnp::messageToFlatArray(b);
+std::string writeMessageFile(const std::string &path, capnp::MessageBuilder &message) {
+  auto words = capnp::messageToFlatArray(message);
   auto bytes = words.asBytes();
-  std::string path = cacheFilePath(dir, g.hash);
   std::string tmp = path + ".tmp" + std::to_string(getpid());
   FILE *f = std::fopen(tmp.c_str(), "wb");
   if (!f)
@@ -54,18 +45,38 @@ std::string writeCachedGraph(const std::string &dir, const GraphRecord &g) {
   return "";
 }
 
-std::string readCachedGraph(const std::string &path, GraphRecord &g) {
+std::string readMessageFile(const std::string &path, kj::Array<capnp::word> &words) {
   auto buffer = llvm::MemoryBuffer::getFile(path);
   if (!buffer)
     return path + ": " + buffer.getError().message();
   llvm::StringRef data = (*buffer)->getBuffer();
   if (data.size() % sizeof(capnp::word) != 0 || data.empty())
-    return path + ": not a graph cache file (truncated or corrupt)";
-  kj::Array<capnp::word> words = kj::heapArray<capnp::word>(data.size() / sizeof(capnp::word));
+    return path + ": truncated or corrupt";
+  words = kj::heapArray<capnp::word>(data.size() / sizeof(capnp::word));
   std::memcpy(words.begin(), data.data(), data.size());
+  return "";
+}
+
+std::string writeCachedGraph(const std::string &dir, const GraphRecord &g) {
+  if (std::error_code ec = llvm::sys::fs::create_directories(dir))
+    return "cannot create " + dir + ": " + ec.message();
+  capnp::MallocMessageBuilder b;
+  auto root = b.initRoot<wire::CachedGraph>();
+  encodeHash(g.hash, root.initHash());
+  encodeGraph(g.graph, root.initGraph());
+  root.setFirstSeen(g.firstSeen);
+  root.setRuns(g.runs);
+  root.setCutAt(g.cutAt);
+  return writeMessageFile(cacheFilePath(dir, g.hash), b);
+}
+
+std::string readCachedGraph(const std::string &path, GraphRecord &g) {
+  kj::Array<capnp::word> words;
+  if (std::string e = readMessageFile(path, words); !e.empty())
+    return e;
   try {
     Limits limits;
-    capnp::FlatArrayMessageReader reader(words, readerOptions(limits, data.size(), false));
+    capnp::FlatArrayMessageReader reader(words, readerOptions(limits, words.asBytes().size(), false));
     auto root = reader.getRoot<wire::CachedGraph>();
     g.hash = decodeHash(root.getHash());
     if (std::string e = decodeGraph(root.getGraph(), limits, g.graph); !e.empty())

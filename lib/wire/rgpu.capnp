@@ -204,3 +204,32 @@ struct CachedGraph {
   runs @3 :UInt64;
   cutAt @4 :Text;        # the user's line whose sync cut this graph
 }
+
+# ---- The Inductor compile worker: one job in, one result out (server/inductor_worker.py) ----
+
+struct CompileJob {
+  hash @0 :Hash;
+  graph @1 :Graph;               # a graph that passed every check of the plan builder
+  runOps @2 :List(Text);         # per node, the op to run: a *_copy's view, as the plan runs it
+  scalars @3 :List(ScalarValue); # the values of the run that asked for the compile
+  device @4 :Text;               # "cpu", "cuda:0"
+  mode @5 :Text;                 # "" or "max-autotune"
+  package @6 :Text;              # where the worker renames the finished package to
+  result @7 :Text;               # where the worker writes its CompileResult
+  zeroFill @8 :List(UInt32);     # nodes of the empty family: their outputs are zero-filled
+}
+
+struct ConstantSlot {
+  slot @0 :UInt32;
+  value @1 :ScalarValue;
+}
+
+struct CompileResult {
+  union {
+    ok :group {
+      constants @0 :List(ConstantSlot); # scalar slots compiled as constants, with their values
+      fxNodes @1 :UInt32;
+    }
+    error @2 :Text;                     # why the compile failed: the graph stays on the plan
+  }
+}

@@ -5,7 +5,6 @@
 //
 //===----------------------------------------------------------------------===//
 #include "rgpu/client/Session.h"
-#include "rgpu/wire/Cache.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
@@ -67,60 +66,6 @@ uint32_t userLocation() {
     frame = back;
   }
   return id;
-}
-
-py::dict metaDict(const rgpu::ir::TensorMeta &m) {
-  py::dict d;
-  d["dtype"] = int(m.dtype);
-  d["sizes"] = std::vector<int64_t>(m.sizes.begin(), m.sizes.end());
-  d["strides"] = std::vector<int64_t>(m.strides.begin(), m.strides.end());
-  return d;
-}
-
-/// A graph cache file as plain Python data, for the server's Inductor compile worker. Args stay
-/// flattened, as (kind, int, float) triples; strings and devices are resolved to their text.
-py::dict readGraph(const std::string &path) {
-  using rgpu::ir::Arg;
-  rgpu::wire::GraphRecord rec;
-  if (std::string e = rgpu::wire::readCachedGraph(path, rec); !e.empty())
-    throw std::runtime_error(e);
-  const rgpu::ir::Graph &g = rec.graph;
-  py::list inputs, scalars, nodes;
-  for (const auto &m : g.inputs)
-    inputs.append(metaDict(m));
-  for (const auto &s : g.scalars)
-    scalars.append(py::make_tuple(int(s.dtype), int(s.form)));
-  static const char *kinds[] = {"none", "bool", "int", "double", "str",
-                                "device", "tensor", "scalar", "list"};
-  for (const auto &n : g.nodes) {
-    py::list args, outputs;
-    for (const Arg &a : n.args) {
-      py::object v;
-      switch (a.kind) {
-      case Arg::Kind::Str:
-      case Arg::Kind::Device: v = py::str(n.strings[a.i]); break;
-      case Arg::Kind::Tensor: v = py::int_(n.operands[a.i]); break;
-      case Arg::Kind::Scalar: v = py::int_(n.scalars[a.i]); break;
-      case Arg::Kind::Double: v = py::float_(a.d); break;
-      default: v = py::int_(a.i);
-      }
-      args.append(py::make_tuple(kinds[int(a.kind)], v));
-    }
-    for (const auto &m : n.outputs)
-      outputs.append(metaDict(m));
-    py::dict d;
-    d["op"] = n.op.str().str();
-    d["args"] = args;
-    d["outputs"] = outputs;
-    nodes.append(d);
-  }
-  py::dict out;
-  out["hash"] = rec.hash.hex();
-  out["inputs"] = inputs;
-  out["scalars"] = scalars;
-  out["nodes"] = nodes;
-  out["outputs"] = std::vector<uint32_t>(g.outputs.begin(), g.outputs.end());
-  return out;
 }
 
 } // namespace
@@ -254,7 +199,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("download_together",
         [](std::vector<at::Tensor> tensors) { Session::get().downloadTogether(std::move(tensors)); },
         "The first download of any of these tensors fetches them all in one frame; [] ends it.");
-  m.def("read_graph", &readGraph, "A graph cache file (.rgraph) as plain Python data.");
   m.def("is_pending", [](const at::Tensor &t) {
     LazyTensorImpl *impl = lazyImpl(t);
     return impl && impl->value.pending();

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -97,6 +98,44 @@ def test_shutdown_during_a_compile_leaves_no_partial_artifact(tmp_path):
         server.stop()
     leftovers = sorted(os.listdir(tmp_path / "inductor"))
     assert not [f for f in leftovers if ".tmp" in f or f.endswith(".pt2")], leftovers
+
+
+def recording_python(tmp_path):
+    """An RGPU_PYTHON that writes down the descriptors the compile worker inherits, and with
+    which `import rgpu` fails."""
+    fds, script = tmp_path / "fds", tmp_path / "python"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"ls -l /proc/$$/fd >> {fds}\n"
+        f"exec {sys.executable} -c 'import runpy, sys; sys.modules[\"rgpu\"] = None; "
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name=\"__main__\")' \"$@\"\n")
+    script.chmod(0o755)
+    return str(script), fds
+
+
+def test_the_compile_worker_inherits_no_descriptors_and_never_imports_the_client(tmp_path,
+                                                                               monkeypatch):
+    python, fds = recording_python(tmp_path)
+    monkeypatch.setenv("RGPU_PYTHON", python)
+    out, log = run_on_new_server(str(tmp_path / "cache"), "compiled-mlp")
+    stats = out["stats"]
+    assert stats["inductor_compiles"] >= 2 and stats["compile_failures"] == 0, (stats, log)
+    # Only its stdin, its log and what the recording shell itself holds: no client socket, no
+    # listener, no pipe, no file of the server's.
+    targets = {line.split(" -> ")[1] for line in fds.read_text().splitlines() if " -> " in line}
+    allowed = {"/dev/null", str(fds), python}
+    assert all(t in allowed or t.endswith(".log") for t in targets), targets
+
+
+@pytest.mark.parametrize("limit, said", [
+    (("--compile-timeout", "1"), "ran past its deadline of 1 s"),
+    (("--compile-memory-mib", "256"), "stays on the plan executor"),
+])
+def test_a_compile_that_hits_a_limit_leaves_its_graph_on_the_plan(tmp_path, limit, said):
+    out, log = run_on_new_server(str(tmp_path), "lazy-gpt", "--compile-after", "1", *limit)
+    assert said in log, log
+    stats = out["stats"]
+    assert stats["inductor_compiles"] == 0 and stats["session"]["compiled_runs"] == 0, stats
 
 
 def test_the_inductor_compiler_needs_a_python():

@@ -9,6 +9,9 @@
 
 #include "rgpu/ir/Graph.h"
 
+#include <capnp/message.h>
+#include <kj/array.h>
+
 #include <string>
 #include <vector>
 
@@ -32,6 +35,11 @@ std::string cacheFilePath(const std::string &dir, const ir::Hash128 &hash);
 std::string writeCachedGraph(const std::string &dir, const GraphRecord &g);
 /// Reads one cache file. Returns "" or why it cannot be read (missing, corrupt, wrong hash).
 std::string readCachedGraph(const std::string &path, GraphRecord &g);
+/// Writes \p message to \p path whole: to a temporary name, then renamed. "" or what went wrong.
+std::string writeMessageFile(const std::string &path, capnp::MessageBuilder &message);
+/// Reads a file holding one flat message into \p words. "" or what went wrong.
+std::string readMessageFile(const std::string &path, kj::Array<capnp::word> &words);
+
 /// The hashes of every cache file in \p dir, sorted; empty if the directory does not exist.
 std::vector<ir::Hash128> listCachedGraphs(const std::string &dir);
 

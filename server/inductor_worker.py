@@ -1,15 +1,20 @@
 """Compiles one rgpu graph with TorchInductor, ahead of time; run by rgpu-opserver.
 
-    python -m rgpu.inductor_worker --graph G.rgraph --out K.pt2 --device cpu [--mode M]
+    python inductor_worker.py --job JOB
 
 The server starts one of these per graph it decides to compile, in the background, while the
-graph keeps running on the plan executor. The worker rebuilds the graph as a Python function
-of aten ops, exports it (static shapes; scalars become 0-dim tensor inputs read with `.item()`,
-so a changing learning rate never recompiles) and compiles it with AOTInductor into a package
-that the server loads and runs from C++, without Python. The package is written under a
-temporary name and renamed, so the cache never holds half an artifact.
+graph keeps running on the plan executor, under resource limits and a deadline. JOB is a
+Cap'n Proto CompileJob: a graph that passed every check of the server's plan builder, the op
+each node runs, the scalar values of the run that asked for the compile, and where to put the
+package and the CompileResult. The worker rebuilds the graph as a Python function of aten ops,
+exports it (static shapes; scalars become 0-dim tensor inputs read with `.item()`, so a changing
+learning rate never recompiles) and compiles it with AOTInductor into a package that the server
+loads and runs from C++, without Python. The package is written under a temporary name and
+renamed, so the cache never holds half an artifact.
 
-Exit status 0 on success; otherwise 1, with the reason as the last line of stderr.
+The worker imports torch and rgpu_compile_job (the wire format, shipped next to this file), and
+nothing of the rgpu client. Exit status 0 on success; otherwise 1, with the reason in the
+CompileResult and a traceback on stderr.
 """
 
 import argparse
@@ -22,6 +27,9 @@ import time
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rgpu_compile_job  # noqa: E402  (next to this file)
 
 # c10::ScalarType numbers, which is how graphs name dtypes.
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -37,19 +45,12 @@ class Unsupported(Exception):
     """The graph holds something this compiler does not take; it stays on the plan executor."""
 
 
-def resolve(name, views=False):
-    """The OpOverload for "aten::add.Tensor". With views=True, a `*_copy` op resolves to its view
-    op: the graph is functional, so nothing can write through the alias, and Inductor indexes
-    views instead of materializing them."""
+def resolve(name):
+    """The OpOverload for "aten::add.Tensor"."""
     ns, _, rest = name.partition("::")
     op, _, overload = rest.partition(".")
     if ns != "aten":
         raise Unsupported(f"{name} is not an aten op")
-    if views and op.endswith("_copy") and hasattr(torch.ops.aten, op[:-5]):
-        view = getattr(getattr(torch.ops.aten, op[:-5]), overload or "default", None)
-        if view is not None and view._schema.is_mutable is False and any(
-                r.alias_info is not None for r in view._schema.returns):
-            return view
     return getattr(getattr(torch.ops.aten, op), overload or "default")
 
 
@@ -75,7 +76,7 @@ class Interpreter:
         self.symbols = {}               # unbacked symbol name -> scalar slot
         self.steps = []
         for node in graph["nodes"]:
-            op = resolve(node["op"], views=True)
+            op = resolve(node["run_op"])
             if torch.Tag.nondeterministic_seeded in op.tags:
                 raise Unsupported(f"{node['op']} draws random numbers from the session's generator")
             self.steps.append((op, node))
@@ -125,10 +126,13 @@ class Interpreter:
         else:
             out = op(*pos, **kw)
         if isinstance(out, torch.Tensor) or out is None:
-            return [out]
+            out = [out]
         flat_out = []
         for o in out:
             flat_out.extend(o if isinstance(o, (list, tuple)) else [o])
+        if node["zero_fill"]:
+            # The empty family: no session may read memory it did not write.
+            flat_out = [o.zero_() if o is not None else o for o in flat_out]
         return flat_out
 
     @staticmethod
@@ -200,7 +204,7 @@ MAX_EXPORTS = 16
 def branchy_slots(graph):
     slots = set()
     for node in graph["nodes"]:
-        op = resolve(node["op"])
+        op = resolve(node["run_op"])
         at = 0
         for schema_arg in op._schema.arguments:
             kind, value = node["args"][at]
@@ -230,80 +234,44 @@ def export(graph, device, values):
     raise Unsupported(f"more than {MAX_EXPORTS} exports to find the constant scalars")
 
 
-def read_scalars(path):
-    """The scalar values file written by the server: one `kind value` line per slot."""
-    values = []
-    with open(path) as f:
-        for line in f:
-            kind, *rest = line.split()
-            if kind == "i":
-                values.append(int(rest[0]))
-            elif kind == "b":
-                values.append(rest[0] == "1")
-            elif kind == "d":
-                values.append(float.fromhex(rest[0]))
-            else:
-                values.append(complex(float.fromhex(rest[0]), float.fromhex(rest[1])))
-    return values
-
-
-def compile_graph(graph, device, values, out_path, mode=None):
-    """Exports and AOT-compiles the graph. Writes the package to out_path and the slots compiled
-    as constants to out_path + ".spec" (`slot kind value` lines), both atomically, spec first."""
-    exported, specialized = export(graph, device, values)
+def compile_graph(job):
+    """Exports and AOT-compiles the job's graph into job["package"] (atomically). Returns the
+    number of FX nodes and the (slot, value) pairs compiled as constants."""
+    values = job["values"]
+    exported, specialized = export(job, job["device"], values)
     options = {}
-    if mode == "max-autotune":
+    if job["mode"] == "max-autotune":
         options["max_autotune"] = True
+    out_path = job["package"]
     tmp = f"{out_path}.tmp{os.getpid()}.pt2"  # AOTInductor wants the suffix
-    spec_tmp = f"{out_path}.spec.tmp{os.getpid()}"
     try:
         torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
                                                  inductor_configs=options)
-        with open(spec_tmp, "w") as f:
-            for slot in sorted(specialized):
-                v = values[slot]
-                if isinstance(v, bool):
-                    f.write(f"{slot} b {int(v)}\n")
-                elif isinstance(v, int):
-                    f.write(f"{slot} i {v}\n")
-                elif isinstance(v, float):
-                    f.write(f"{slot} d {v.hex()}\n")
-                else:
-                    f.write(f"{slot} c {v.real.hex()} {v.imag.hex()}\n")
-        os.replace(spec_tmp, out_path + ".spec")
         os.replace(tmp, out_path)
     finally:
-        for path in (tmp, spec_tmp):
-            if os.path.exists(path):
-                os.unlink(path)
-    return len(exported.graph.nodes), sorted(specialized)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return len(exported.graph.nodes), [(slot, values[slot]) for slot in sorted(specialized)]
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m rgpu.inductor_worker", description=__doc__,
+    parser = argparse.ArgumentParser(prog="inductor_worker.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--graph", required=True, help="the graph's .rgraph file")
-    parser.add_argument("--scalars", required=True,
-                        help="the scalar values of a run, one `kind value` line per slot")
-    parser.add_argument("--out", required=True, help="where to write the compiled .pt2 package")
-    parser.add_argument("--device", default="cpu", help="the server's device (cpu, cuda:0)")
-    parser.add_argument("--mode", default=None, help="compile mode (default, max-autotune)")
+    parser.add_argument("--job", required=True, help="the CompileJob file the server wrote")
     args = parser.parse_args(argv)
-    from rgpu import _C
-
+    job = rgpu_compile_job.read_job(args.job)
     start = time.time()
     try:
-        graph = _C.read_graph(args.graph)
-        fx_nodes, specialized = compile_graph(graph, args.device, read_scalars(args.scalars),
-                                              args.out, args.mode)
-    except Exception as e:  # the server logs the last line and keeps the plan executor
+        fx_nodes, constants = compile_graph(job)
+    except Exception as e:  # the server keeps the graph on the plan executor
         import traceback
         traceback.print_exc()
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        sys.stderr.write(f"\n{type(e).__name__}: {first}\n")
+        rgpu_compile_job.write_error(job["result"], f"{type(e).__name__}: {first}")
         return 1
+    rgpu_compile_job.write_ok(job["result"], constants, fx_nodes)
     sys.stderr.write(f"compiled {fx_nodes} FX nodes in {time.time() - start:.1f} s; "
-                     f"{len(specialized)} of {len(graph['scalars'])} scalars compiled as constants\n")
+                     f"{len(constants)} of {len(job['scalars'])} scalars compiled as constants\n")
     return 0
 
 

@@ -1,0 +1,157 @@
+//===- server/CompileJobModule.cpp - rgpu_compile_job: the worker's wire ----===//
+//
+// A Python module with no torch in it, next to inductor_worker.py: it reads the CompileJob the
+// server wrote and writes the worker's CompileResult, both Cap'n Proto, with the same decoder
+// the server uses. The worker therefore needs neither the rgpu client package nor a second
+// implementation of the format.
+//
+//===----------------------------------------------------------------------===//
+#include "rgpu/wire/Cache.h"
+#include "rgpu/wire/Wire.h"
+
+#include <capnp/serialize.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+namespace py = pybind11;
+using namespace rgpu;
+
+namespace {
+
+py::dict metaDict(const ir::TensorMeta &m) {
+  py::dict d;
+  d["dtype"] = int(m.dtype);
+  d["sizes"] = std::vector<int64_t>(m.sizes.begin(), m.sizes.end());
+  d["strides"] = std::vector<int64_t>(m.strides.begin(), m.strides.end());
+  return d;
+}
+
+py::object scalarObject(const ir::ScalarValue &v) {
+  switch (v.kind) {
+  case ir::ScalarValue::Kind::Int: return py::int_(v.i);
+  case ir::ScalarValue::Kind::Bool: return py::bool_(v.i != 0);
+  case ir::ScalarValue::Kind::Double: return py::float_(v.d);
+  case ir::ScalarValue::Kind::Complex:
+    return py::reinterpret_steal<py::object>(PyComplex_FromDoubles(v.d, v.imag));
+  }
+  return py::none();
+}
+
+ir::ScalarValue scalarValue(py::handle o) {
+  ir::ScalarValue v;
+  if (py::isinstance<py::bool_>(o)) {
+    v.kind = ir::ScalarValue::Kind::Bool;
+    v.i = o.cast<bool>();
+  } else if (py::isinstance<py::int_>(o)) {
+    v.kind = ir::ScalarValue::Kind::Int;
+    v.i = o.cast<int64_t>();
+  } else if (PyComplex_Check(o.ptr())) {
+    v.kind = ir::ScalarValue::Kind::Complex;
+    v.d = PyComplex_RealAsDouble(o.ptr());
+    v.imag = PyComplex_ImagAsDouble(o.ptr());
+  } else {
+    v.kind = ir::ScalarValue::Kind::Double;
+    v.d = o.cast<double>();
+  }
+  return v;
+}
+
+/// The job as plain Python data. Args stay flattened, as (kind, value) pairs; strings and
+/// devices are resolved to their text, tensor and scalar references to value ids and slots.
+py::dict readJob(const std::string &path) {
+  kj::Array<capnp::word> words;
+  if (std::string e = wire::readMessageFile(path, words); !e.empty())
+    throw std::runtime_error(e);
+  wire::Limits limits;
+  capnp::FlatArrayMessageReader reader(words,
+                                       wire::readerOptions(limits, words.asBytes().size(), false));
+  auto job = reader.getRoot<wire::CompileJob>();
+  ir::Graph g;
+  if (std::string e = wire::decodeGraph(job.getGraph(), limits, g); !e.empty())
+    throw std::runtime_error(path + ": " + e);
+  auto runOps = job.getRunOps(); // read once: every get counts against the traversal limit
+  if (runOps.size() != g.nodes.size())
+    throw std::runtime_error(path + ": one run op per node expected");
+  std::vector<bool> zeroFill(g.nodes.size());
+  for (uint32_t n : job.getZeroFill())
+    if (n < zeroFill.size())
+      zeroFill[n] = true;
+  py::list inputs, scalars, values, nodes;
+  for (const auto &m : g.inputs)
+    inputs.append(metaDict(m));
+  for (const auto &s : g.scalars)
+    scalars.append(py::make_tuple(int(s.dtype), int(s.form)));
+  for (auto s : job.getScalars())
+    values.append(scalarObject(wire::decodeScalar(s)));
+  static const char *kinds[] = {"none", "bool", "int", "double", "str",
+                                "device", "tensor", "scalar", "list"};
+  for (size_t k = 0; k < g.nodes.size(); ++k) {
+    const ir::Node &n = g.nodes[k];
+    py::list args, outputs;
+    for (const ir::Arg &a : n.args) {
+      py::object v;
+      switch (a.kind) {
+      case ir::Arg::Kind::Str:
+      case ir::Arg::Kind::Device: v = py::str(n.strings[a.i]); break;
+      case ir::Arg::Kind::Tensor: v = py::int_(n.operands[a.i]); break;
+      case ir::Arg::Kind::Scalar: v = py::int_(n.scalars[a.i]); break;
+      case ir::Arg::Kind::Double: v = py::float_(a.d); break;
+      default: v = py::int_(a.i);
+      }
+      args.append(py::make_tuple(kinds[int(a.kind)], v));
+    }
+    for (const auto &m : n.outputs)
+      outputs.append(metaDict(m));
+    py::dict d;
+    d["op"] = n.op.str().str();
+    d["run_op"] = std::string(runOps[k].cStr());
+    d["zero_fill"] = bool(zeroFill[k]);
+    d["args"] = args;
+    d["outputs"] = outputs;
+    nodes.append(d);
+  }
+  py::dict out;
+  out["hash"] = wire::decodeHash(job.getHash()).hex();
+  out["inputs"] = inputs;
+  out["scalars"] = scalars;
+  out["values"] = values;
+  out["nodes"] = nodes;
+  out["outputs"] = std::vector<uint32_t>(g.outputs.begin(), g.outputs.end());
+  out["device"] = std::string(job.getDevice().cStr());
+  out["mode"] = std::string(job.getMode().cStr());
+  out["package"] = std::string(job.getPackage().cStr());
+  out["result"] = std::string(job.getResult().cStr());
+  return out;
+}
+
+void writeOk(const std::string &path, const std::vector<std::pair<uint32_t, py::object>> &constants,
+             uint32_t fxNodes) {
+  capnp::MallocMessageBuilder b;
+  auto ok = b.initRoot<wire::CompileResult>().initOk();
+  auto list = ok.initConstants(constants.size());
+  for (size_t i = 0; i < constants.size(); ++i) {
+    list[i].setSlot(constants[i].first);
+    wire::encodeScalar(scalarValue(constants[i].second), list[i].initValue());
+  }
+  ok.setFxNodes(fxNodes);
+  if (std::string e = wire::writeMessageFile(path, b); !e.empty())
+    throw std::runtime_error(e);
+}
+
+void writeError(const std::string &path, const std::string &message) {
+  capnp::MallocMessageBuilder b;
+  b.initRoot<wire::CompileResult>().setError(message);
+  if (std::string e = wire::writeMessageFile(path, b); !e.empty())
+    throw std::runtime_error(e);
+}
+
+} // namespace
+
+PYBIND11_MODULE(rgpu_compile_job, m) {
+  m.doc() = "The Inductor compile worker's CompileJob and CompileResult (Cap'n Proto).";
+  m.def("read_job", &readJob, "The CompileJob in a file, as plain Python data.");
+  m.def("write_ok", &writeOk, py::arg("path"), py::arg("constants"), py::arg("fx_nodes"),
+        "Writes a successful CompileResult: the (slot, value) pairs compiled as constants.");
+  m.def("write_error", &writeError, py::arg("path"), py::arg("message"),
+        "Writes a failed CompileResult with its reason.");
+}
