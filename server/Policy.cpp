@@ -115,7 +115,7 @@ std::string verdict(const c10::FunctionSchema &schema) {
   llvm::StringRef bare = base.drop_front(6); // after "aten::"
   for (const auto &[prefix, why] : refusedFamilies())
     if (bare.startswith(prefix))
-      return "refused: " + base.str() + " " + why.str();
+      return "refused: " + why.str();
   if (schema.is_mutable())
     return "refused: the op mutates its inputs; graphs are functional";
   if (schema.returns().empty())

@@ -130,10 +130,11 @@ std::string TensorMeta::str() const {
   std::string s = dtype::name(dtype) + "[";
   bool contiguous = true;
   int64_t expect = 1;
-  for (size_t i = sizes.size(); i-- > 0;) {
-    if (sizes[i] != 1 && strides[i] != expect)
+  for (size_t i = sizes.size(); i-- > 0 && contiguous;) {
+    if (i >= strides.size() || (sizes[i] != 1 && strides[i] != expect))
       contiguous = false;
-    expect *= sizes[i];
+    if (__builtin_mul_overflow(expect, sizes[i], &expect)) // a peer's sizes: never contiguous
+      contiguous = false;
   }
   for (size_t i = 0; i < sizes.size(); ++i)
     s += (i ? "," : "") + std::to_string(sizes[i]);
