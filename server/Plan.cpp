@@ -221,8 +221,8 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
     auto mismatch = [&]() {
       return where + " expects " + type->str() + ", got " + kindName(arg->kind);
     };
-    switch (type->kind()) {
-    case c10::TypeKind::TensorType:
+    switch (bridge::argType(type)) {
+    case bridge::ArgType::Tensor:
       // A lifted Python number or CPU scalar tensor stands where the schema has a Tensor.
       if (arg->kind == Arg::Kind::Scalar &&
           graph_.scalars[n.scalars[arg->i]].form != ir::ScalarForm::Scalar) {
@@ -233,19 +233,19 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
         return mismatch();
       step.slots.push_back({Slot::Tensor, n.operands[arg->i]});
       continue;
-    case c10::TypeKind::NumberType:
+    case bridge::ArgType::Number:
       if (arg->kind != Arg::Kind::Scalar)
         return mismatch();
       step.slots.push_back({Slot::Scalar, n.scalars[arg->i]});
       continue;
-    case c10::TypeKind::DeviceObjType:
+    case bridge::ArgType::Device:
       if (arg->kind != Arg::Kind::Device)
         return mismatch();
       step.slots.push_back({Slot::Device});
       continue;
-    case c10::TypeKind::GeneratorType:
+    case bridge::ArgType::Generator:
       return where + ": explicit generators are not supported";
-    case c10::TypeKind::ListType: {
+    case bridge::ArgType::List: {
       if (arg->kind != Arg::Kind::List)
         return mismatch();
       c10::TypePtr elem = type->containedType(0);

@@ -132,7 +132,14 @@ FrameOutcome Session::serve(const net::Frame &frame) {
     auto cf = reader->getRoot<wire::ClientFrame>();
     seq = cf.getSeq();
     wantReply = cf.getWantReply();
-    for (auto cmd : cf.getCommands()) {
+    auto commands = cf.getCommands();
+    if (commands.size() > ctx_.limits().maxCommands)
+      fatal = "a frame of " + std::to_string(commands.size()) + " commands, more than the limit of " +
+              std::to_string(ctx_.limits().maxCommands);
+    uint64_t replyData = 0;
+    for (auto cmd : commands) {
+      if (!fatal.empty())
+        break;
       if (!greeted_ && cmd.which() != wire::Command::HELLO) {
         fatal = "the first command of a session must be Hello";
         break;
@@ -156,12 +163,21 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       case wire::Command::UPLOAD: upload(cmd.getUpload()); break;
       case wire::Command::DOWNLOAD: {
         ResultItem item{wire::Result::DATA, nullptr, {}};
-        if (std::string e = download(cmd.getDownload(), item.data); !e.empty())
+        if (std::string e = download(cmd.getDownload(), ctx_.limits().maxReplyDataBytes - replyData,
+                                     item.data);
+            !e.empty())
           fatal = e;
+        replyData += item.data.size();
         results.push_back(std::move(item));
         break;
       }
       case wire::Command::RELEASE:
+        if (cmd.getRelease().size() > ctx_.limits().maxReleaseHandles) {
+          fatal = "a Release of " + std::to_string(cmd.getRelease().size()) +
+                  " handles, more than the limit of " +
+                  std::to_string(ctx_.limits().maxReleaseHandles);
+          break;
+        }
         for (uint64_t h : cmd.getRelease()) {
           tensors_.erase(h);
           if (h == stagedHandle_)
@@ -427,11 +443,8 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   for (size_t k = 0; k < outputs.size(); ++k) {
     if (r.getReplyMetas()) {
       ir::TensorMeta m;
-      if (const at::Tensor &t = outputs[k].tensor; t.defined()) {
-        m.dtype = int8_t(t.scalar_type());
-        m.sizes.assign(t.sizes().begin(), t.sizes().end());
-        m.strides.assign(t.strides().begin(), t.strides().end());
-      }
+      if (outputs[k].tensor.defined())
+        m = bridge::metaOf(outputs[k].tensor);
       metas[0].push_back(std::move(m));
     }
     bind(first + k, std::move(outputs[k]));
@@ -490,7 +503,7 @@ void Session::upload(wire::Upload::Reader r) {
   bind(handle, {t, nullptr});
 }
 
-std::string Session::download(wire::Download::Reader r, kj::Array<kj::byte> &bytes) {
+std::string Session::download(wire::Download::Reader r, uint64_t room, kj::Array<kj::byte> &bytes) {
   uint64_t handle = r.getHandle();
   auto it = tensors_.find(handle);
   if (it == tensors_.end()) {
@@ -515,6 +528,12 @@ std::string Session::download(wire::Download::Reader r, kj::Array<kj::byte> &byt
     fail(sessionError("download of handle " + std::to_string(handle) + " asks for bytes [" +
                       std::to_string(offset) + ", +" + std::to_string(length) +
                       ") outside its " + std::to_string(total) + " bytes or above one chunk"));
+    return "";
+  }
+  if (length > room) {
+    fail(sessionError("download of handle " + std::to_string(handle) + " would take this reply past " +
+                      std::to_string(ctx_.limits().maxReplyDataBytes >> 20) +
+                      " MiB of tensor data; ask for it in another frame"));
     return "";
   }
   // The tensor in the wanted layout on the CPU: the stored tensor itself when it already is

@@ -75,7 +75,8 @@ private:
   void define(wire::Define::Reader r);
   void run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas);
   void upload(wire::Upload::Reader r);
-  std::string download(wire::Download::Reader r, kj::Array<kj::byte> &bytes);
+  /// Reads a tensor's bytes into \p bytes, at most \p room of them (what the reply has left).
+  std::string download(wire::Download::Reader r, uint64_t room, kj::Array<kj::byte> &bytes);
   void fail(ErrorPtr error);
   /// Binds a handle to a value. A client may rebind handles it no longer uses.
   void bind(uint64_t handle, Entry e) {

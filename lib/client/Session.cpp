@@ -437,7 +437,7 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
   });
   if (inGroup) {
     fetched_.try_emplace(data, Fetched{impl->value.data, at::Tensor(), true});
-    uint64_t budget = limits_.maxDownloadBytes - std::min(bytes, limits_.maxDownloadBytes);
+    uint64_t budget = limits_.maxReplyDataBytes - std::min(bytes, limits_.maxReplyDataBytes);
     std::vector<at::Tensor> later; // what does not fit waits for the group's next read
     for (at::Tensor &t : group_) {
       LazyTensorImpl *member = lazyImpl(t);
@@ -446,7 +446,7 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
         continue;
       ir::TensorMeta layout = member->downloadLayout();
       uint64_t size = layout.storageBytes();
-      if (size > budget) {
+      if (size > budget || wanted.size() >= limits_.maxCommands / 16) {
         later.push_back(std::move(t));
         continue;
       }

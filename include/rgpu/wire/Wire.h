@@ -37,6 +37,14 @@ struct Limits {
   uint32_t maxNodes = 1u << 20;
   /// The most output handles a Run of a graph the server does not hold may poison.
   uint32_t maxRunOutputs = 1u << 16;
+  /// The most commands one frame may carry; a frame with more is refused and its connection
+  /// closed.
+  uint32_t maxCommands = 1u << 20;
+  /// The most handles one Release may name.
+  uint32_t maxReleaseHandles = 1u << 20;
+  /// The most tensor bytes one reply may carry, all its downloads together (a Download past
+  /// it is an error; the client's download groups stay within it).
+  uint64_t maxReplyDataBytes = uint64_t(256) << 20;
 };
 
 /// Reader options for a frame of \p frameBytes. The traversal limit, which also bounds what the

@@ -102,13 +102,14 @@ public:
   bool sendRaw(const std::string &bytes) { return socket_.sendAll(bytes); }
 
   /// Sends one frame built by \p fill; returns the reply if \p wantReply.
-  template <typename Fill> std::optional<net::Frame> send(bool wantReply, size_t n, Fill fill) {
+  template <typename Fill>
+  std::optional<net::Frame> send(bool wantReply, size_t n, Fill fill, bool pack = true) {
     capnp::MallocMessageBuilder b;
     auto f = b.initRoot<wire::ClientFrame>();
     f.setSeq(++seq_);
     f.setWantReply(wantReply);
     fill(f.initCommands(n));
-    if (!socket_.sendAll(net::encodeFrame(b, true)))
+    if (!socket_.sendAll(net::encodeFrame(b, pack)))
       return std::nullopt;
     if (!wantReply)
       return net::Frame();
@@ -796,5 +797,63 @@ TEST(Faults, RefusedDefinesLeaveNothingBehind) {
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   double after = serverRssMiB();
   EXPECT_LT(after - before, 16.0) << "RSS grew from " << before << " to " << after << " MiB";
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, FramesAskingForTooMuchAreRefusedByTheirNamedLimits) {
+  Beside beside;
+  {
+    Peer bad;
+    bad.hello();
+    // More commands than wire::Limits::maxCommands: refused whole, the connection closed.
+    auto reply = bad.send(
+        true, wire::Limits().maxCommands + 1,
+        [](auto cmds) {
+          for (auto c : cmds)
+            c.setSync();
+        },
+        /*pack=*/false);
+    ASSERT_TRUE(reply);
+    EXPECT_NE(Peer::errorOf(*reply).find("commands, more than the limit"), std::string::npos)
+        << Peer::errorOf(*reply);
+    EXPECT_TRUE(bad.closedByServer());
+  }
+  {
+    Peer bad;
+    bad.hello();
+    auto reply = bad.send(
+        true, 1, [](auto cmds) { cmds[0].initRelease(wire::Limits().maxReleaseHandles + 1); },
+        /*pack=*/false);
+    ASSERT_TRUE(reply);
+    EXPECT_NE(Peer::errorOf(*reply).find("handles, more than the limit"), std::string::npos)
+        << Peer::errorOf(*reply);
+  }
+  {
+    // Downloads whose bytes together exceed one reply's limit: the ones past it are errors, and
+    // the reply stays within it.
+    Peer bad;
+    bad.hello();
+    ir::TensorMeta big = ir::TensorMeta::contiguous(ir::dtype::Float, {1 << 23}); // 32 MiB
+    std::vector<kj::byte> zeros(32u << 20);
+    auto up = bad.send(
+        true, 1,
+        [&](auto cmds) {
+          uploadChunk(cmds[0], 40, big, 32u << 20, 0, kj::arrayPtr(zeros.data(), zeros.size()));
+        },
+        /*pack=*/false);
+    ASSERT_TRUE(up);
+    auto reply = bad.send(true, 10, [&](auto cmds) {
+      for (auto c : cmds) {
+        auto down = c.initDownload();
+        down.setHandle(40);
+        wire::encodeMeta(big, down.initMeta());
+      }
+    });
+    ASSERT_TRUE(reply);
+    EXPECT_NE(Peer::errorOf(*reply).find("would take this reply past 256 MiB"), std::string::npos)
+        << Peer::errorOf(*reply);
+    EXPECT_LE(dataBytesOf(*reply), size_t(256) << 20);
+  }
+  EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }
