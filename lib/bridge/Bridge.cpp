@@ -21,10 +21,6 @@ ir::TensorMeta metaOf(const c10::TensorImpl &t) {
   return m;
 }
 
-bool matches(const at::Tensor &t, const ir::TensorMeta &m) {
-  return t.defined() && t.sizes().equals(m.sizes) && t.scalar_type() == scalarType(m.dtype);
-}
-
 std::string torchVersion() {
   return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
          std::to_string(TORCH_VERSION_PATCH);

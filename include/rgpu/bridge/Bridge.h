@@ -25,9 +25,6 @@ ir::TensorMeta metaOf(const c10::TensorImpl &t);
 /// ATen's ScalarType for a graph's dtype number.
 inline at::ScalarType scalarType(int8_t dtype) { return static_cast<at::ScalarType>(dtype); }
 
-/// True if \p t has exactly the dtype and sizes of \p m (strides may differ).
-bool matches(const at::Tensor &t, const ir::TensorMeta &m);
-
 /// The libtorch version this process runs, "2.13.0".
 std::string torchVersion();
 
