@@ -176,8 +176,9 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
   switch (g.state) {
   case State::Ready: return g.compiled->accepts(scalars) ? g.compiled : nullptr;
   case State::Counting:
-    // Random ops draw from the session's generator, which compiled code cannot reach.
-    if (plan->drawsRandom() || plan->graph().nodes.empty()) {
+    // Random ops draw from the session's generator, which compiled code cannot reach; some ops
+    // are safe only on the plan (policy::compilable).
+    if (plan->drawsRandom() || !plan->compilable() || plan->graph().nodes.empty()) {
       g.state = State::Skipped;
       return nullptr;
     }

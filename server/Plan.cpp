@@ -186,6 +186,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   step.numOutputs = n.outputs.size();
   step.restrideOperands = bridge::isStridedView(base);
   random_ |= handle->hasTag(at::Tag::nondeterministic_seeded);
+  compilable_ &= policy::compilable(base);
   step.seeded = handle->hasTag(at::Tag::nondeterministic_seeded) &&
                 std::none_of(schema.arguments().begin(), schema.arguments().end(),
                              [](const c10::Argument &a) {

@@ -68,6 +68,8 @@ public:
   bool zeroFills(uint32_t n) const { return steps_[n].zeroFill; }
   /// True if some node draws random numbers (from the session's generator).
   bool drawsRandom() const { return random_; }
+  /// False if some node's op must not be compiled (policy::compilable).
+  bool compilable() const { return compilable_; }
   ir::Hash128 hash;
   uint64_t buildNs = 0; ///< Time spent verifying the graph and building this plan.
 
@@ -108,6 +110,7 @@ private:
   std::vector<Step> steps_;
   std::vector<uint32_t> listItems_; // value ids or scalar slots; ~0u is None
   bool random_ = false;
+  bool compilable_ = true;
 };
 
 /// Makes \p t have exactly the layout \p meta describes, copying only if it does not already.

@@ -65,8 +65,6 @@ const std::vector<std::pair<llvm::StringRef, llvm::StringRef>> &refusedFamilies(
       {"pin_memory", "allocates pinned host memory"},
       {"_copy_from", "writes into an argument its schema does not mark as written"},
       {"_test_", "is a test op"},
-      {"_unsafe_index", "indexes without bounds checks"},
-      {"_unsafe_masked_index", "indexes without bounds checks"},
       {"_functional_assert", "carries a free-form message"},
       {"_functional_sym_constrain", "constrains symbolic shapes, which graphs do not have"},
       {"_sparse", "builds sparse tensors; rgpu supports strided tensors only"},
@@ -161,6 +159,12 @@ const llvm::StringMap<std::string> &verdicts() {
   return all;
 }
 
+/// Ops that are safe on the plan executor but not once compiled: their eager kernels clamp or
+/// check indices, and Inductor, as these ops allow, generates loads without bounds checks.
+bool uncheckedOnceCompiled(llvm::StringRef bare) {
+  return bare.startswith("_unsafe_index") || bare.startswith("_unsafe_masked_index");
+}
+
 bool isFactory(llvm::StringRef bare) {
   for (llvm::StringRef p : {"empty", "new_empty", "zeros", "new_zeros", "ones", "new_ones",
                             "full", "new_full", "rand", "scalar_tensor"})
@@ -178,6 +182,10 @@ std::string admit(llvm::StringRef fullName) {
   if (it == verdicts().end())
     return "unknown op";
   return it->second;
+}
+
+bool compilable(llvm::StringRef base) {
+  return !base.startswith("aten::") || !uncheckedOnceCompiled(base.drop_front(6));
 }
 
 std::string checkConstant(llvm::StringRef base, const c10::Argument &arg, bridge::ArgType type,

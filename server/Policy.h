@@ -22,6 +22,11 @@ namespace rgpu::server::policy {
 /// "" if \p fullName ("aten::add.Tensor") may appear in a graph, else why not. Thread-safe.
 std::string admit(llvm::StringRef fullName);
 
+/// False for admitted ops that must not be compiled (the graphs holding them stay on the plan
+/// executor): `_unsafe_index` and friends, whose eager kernels check their indices and whose
+/// compiled code, by their contract, does not.
+bool compilable(llvm::StringRef base);
+
 /// Checks the value of a constant argument \p a of type \p type: ScalarType, Layout and
 /// MemoryFormat in range, strings from the op's table, strides non-negative. \p str is the
 /// argument's text for a string. Returns "" or the problem.

@@ -138,6 +138,27 @@ def test_a_compile_that_hits_a_limit_leaves_its_graph_on_the_plan(tmp_path, limi
     assert stats["inductor_compiles"] == 0 and stats["session"]["compiled_runs"] == 0, stats
 
 
+def test_graphs_with_unchecked_indexing_stay_on_the_plan(tmp_path):
+    # _unsafe_index checks its indices in eager mode; compiled, by its contract, it does not.
+    server = inductor_server(str(tmp_path), "--compile-after", "1")
+    code = (
+        "import json, torch, rgpu\n"
+        "x = torch.arange(12.).reshape(3, 4).to('rgpu')\n"
+        "i = torch.tensor([2, 0]).to('rgpu')\n"
+        "for _ in range(3):\n"
+        "    r = torch.ops.aten._unsafe_index(x * 2, [i]).cpu()\n"
+        "    assert torch.equal(r, (torch.arange(12.).reshape(3, 4) * 2)[[2, 0]]), r\n"
+        "print(json.dumps(rgpu.server_stats()))\n")
+    try:
+        r = run_client(server.address, code)
+        assert r.returncode == 0, r.stderr
+        stats = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        server.stop()
+    assert stats["inductor_compiles"] == 0 and stats["compiles_pending"] == 0, stats
+    assert all(g["executor"] == "plan" for g in stats["session"]["graphs"]), stats
+
+
 def test_the_inductor_compiler_needs_a_python():
     # The native program, started without the rgpu-opserver command that names the Python.
     native = os.path.join(REPO, "python", "rgpu", "bin", "rgpu-opserver")
