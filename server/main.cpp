@@ -12,6 +12,7 @@
 #include <ATen/Context.h>
 #include <c10/core/DeviceType.h>
 
+#include <malloc.h>
 #include <uv.h>
 #include <unistd.h>
 
@@ -133,7 +134,8 @@ void closeConnection(Connection *c) {
            [](uv_handle_t *h) { delete static_cast<Connection *>(h->data); });
 }
 
-void runWorker(Server *server, uint64_t connId, std::string peer, std::shared_ptr<Worker> w) {
+void serveSession(Server *server, uint64_t connId, const std::string &peer,
+                  const std::shared_ptr<Worker> &w) {
   Session session(*server->ctx, peer);
   for (;;) {
     net::Frame frame;
@@ -151,6 +153,13 @@ void runWorker(Server *server, uint64_t connId, std::string peer, std::shared_pt
     if (out.close)
       break;
   }
+}
+
+void runWorker(Server *server, uint64_t connId, std::string peer, std::shared_ptr<Worker> w) {
+  serveSession(server, connId, peer, w);
+  // The session's memory goes back to the system, not only to this thread's malloc arena, so
+  // what a finished session allocated does not stay resident.
+  malloc_trim(0);
 }
 
 void onAlloc(uv_handle_t *, size_t suggested, uv_buf_t *buf) {

@@ -143,11 +143,19 @@ bool FrameDecoder::feed(const char *data, size_t n) {
       current_ = Frame();
       current_.flags = flags;
       current_.bytes = length;
-      current_.words = kj::heapArray<capnp::word>((length + 7) / 8);
+      // The buffer grows as bytes arrive: a header announcing a gigabyte costs what was sent.
+      current_.words = kj::heapArray<capnp::word>((std::min(length, kFirstBufferBytes) + 7) / 8);
       filled_ = 0;
       inFrame_ = true;
     }
     size_t take = std::min<uint64_t>(n, current_.bytes - filled_);
+    if (filled_ + take > current_.words.size() * sizeof(capnp::word)) {
+      uint64_t grown = std::min<uint64_t>(
+          current_.bytes, std::max<uint64_t>(filled_ + take, 4 * current_.words.size() * 8));
+      auto words = kj::heapArray<capnp::word>((grown + 7) / 8);
+      std::memcpy(words.begin(), current_.words.begin(), filled_);
+      current_.words = std::move(words);
+    }
     std::memcpy(reinterpret_cast<char *>(current_.words.begin()) + filled_, data, take);
     filled_ += take;
     data += take;

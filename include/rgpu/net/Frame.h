@@ -50,6 +50,11 @@ public:
   const std::string &error() const { return error_; }
   /// Bytes of the frame being assembled still to come (0 between frames).
   uint64_t pendingBytes() const { return inFrame_ ? current_.bytes - filled_ : 0; }
+  /// Bytes allocated for the frame being assembled: what has arrived, give or take a factor
+  /// of 4, never the length its header announced.
+  uint64_t bufferedBytes() const { return inFrame_ ? current_.words.size() * 8 : 0; }
+  /// The buffer a frame starts with; it grows fourfold as bytes arrive.
+  static constexpr uint64_t kFirstBufferBytes = 1u << 20;
 
 private:
   uint64_t maxFrameBytes_;

@@ -151,6 +151,34 @@ TEST(Wire, DecoderRefusesGarbageHttpAndHugeFrames) {
   EXPECT_NE(huge.error().find("exceeds"), std::string::npos);
 }
 
+TEST(Wire, DecoderBuffersWhatArrivedNotWhatTheHeaderAnnounced) {
+  net::FrameDecoder d(uint64_t(1) << 30);
+  // A frame of 12 MiB + 3 bytes, announced by its header, arriving in pieces.
+  const uint64_t length = (12u << 20) + 3;
+  std::string payload(length, '\0');
+  for (uint64_t i = 0; i < length; ++i)
+    payload[i] = char(i * 7);
+  char header[16];
+  uint32_t magic = net::kMagic, flags = 0;
+  memcpy(header, &magic, 4);
+  memcpy(header + 4, &flags, 4);
+  memcpy(header + 8, &length, 8);
+  ASSERT_TRUE(d.feed(header, 16));
+  EXPECT_LE(d.bufferedBytes(), net::FrameDecoder::kFirstBufferBytes);
+  uint64_t at = 0;
+  for (uint64_t piece : {uint64_t(1000), uint64_t(3u << 20), uint64_t(5u << 20)}) {
+    ASSERT_TRUE(d.feed(payload.data() + at, piece));
+    at += piece;
+    EXPECT_LE(d.bufferedBytes(), std::max<uint64_t>(4 * at, net::FrameDecoder::kFirstBufferBytes));
+    EXPECT_GE(d.bufferedBytes(), at);
+  }
+  ASSERT_TRUE(d.feed(payload.data() + at, length - at));
+  net::Frame frame;
+  ASSERT_TRUE(d.next(frame));
+  ASSERT_EQ(frame.bytes, length);
+  EXPECT_EQ(memcmp(frame.words.begin(), payload.data(), length), 0);
+}
+
 TEST(Wire, TruncatedMessageThrowsInsteadOfCrashing) {
   capnp::MallocMessageBuilder b;
   wire::encodeGraph(sample(), b.initRoot<wire::ClientFrame>().initCommands(1)[0].initDefine().initGraph());
