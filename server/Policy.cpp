@@ -126,12 +126,12 @@ std::string verdict(const c10::FunctionSchema &schema) {
       return "refused: returns a non-tensor value";
   }
   for (const c10::Argument &a : schema.arguments()) {
-    bridge::ArgType t = bridge::argType(a.type());
+    c10::TypePtr type = a.type();
+    if (auto opt = type->cast<c10::OptionalType>())
+      type = opt->getElementType();
+    bridge::ArgType t = bridge::argType(type);
     if (t == bridge::ArgType::Unsupported ||
-        (t == bridge::ArgType::List && !listElementCarried(
-                                           a.type()->cast<c10::OptionalType>()
-                                               ? a.type()->cast<c10::OptionalType>()->getElementType()
-                                               : a.type())))
+        (t == bridge::ArgType::List && !listElementCarried(type)))
       return "refused: argument '" + a.name() + "' has type " + a.type()->str() +
              ", which rgpu does not carry";
     if (t == bridge::ArgType::String && !stringTables().count(tableKey(base, a.name())))
