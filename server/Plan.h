@@ -72,6 +72,9 @@ public:
   bool compilable() const { return compilable_; }
   ir::Hash128 hash;
   uint64_t buildNs = 0; ///< Time spent verifying the graph and building this plan.
+  /// False for the plan of a graph whose hash another graph already held: it belongs to the
+  /// session that defined it and is never compiled.
+  bool shared = true;
 
 private:
   /// How to produce one stack slot.

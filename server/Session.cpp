@@ -36,12 +36,13 @@ std::shared_ptr<const Plan> Context::find(const ir::Hash128 &hash) {
 
 std::shared_ptr<const Plan> Context::define(const ir::Hash128 &hash, ir::Graph graph,
                                             std::string &error) {
-  if (auto plan = find(hash))
-    return plan;
   if (ir::hashGraph(graph) != hash) {
     error = "the graph does not match its hash " + hash.hex();
     return nullptr;
   }
+  std::shared_ptr<const Plan> known = find(hash);
+  if (known && ir::sameStructure(known->graph(), graph))
+    return known;
   size_t nodes = graph.nodes.size();
   auto start = std::chrono::steady_clock::now();
   std::shared_ptr<Plan> plan = Plan::build(std::move(graph), error, limits_.maxTensorBytes);
@@ -53,6 +54,15 @@ std::shared_ptr<const Plan> Context::define(const ir::Hash128 &hash, ir::Graph g
   ++planBuilds;
   log("graph " + hash.hex().substr(0, 12) + ": plan built, " + std::to_string(nodes) +
       " nodes, " + std::to_string(plan->buildNs / 1000000.0).substr(0, 6) + " ms");
+  if (known) {
+    // Another graph with the same hash: a collision, met or made. This one gets a plan of its
+    // own, which no other session can reach and which is never compiled (compiled packages
+    // are filed by hash).
+    plan->shared = false;
+    log("graph " + hash.hex().substr(0, 12) + ": another graph has this hash; this one is "
+        "private to the session that defined it");
+    return plan;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   return plans_.emplace(hash, plan).first->second;
 }
@@ -307,7 +317,8 @@ void Session::stats(wire::ServerStats::Builder out) {
     g.setRuns(use.runs);
     g.setExecuteNs(use.executeNs);
     g.setBuildNs(use.plan->buildNs);
-    g.setExecutor(ctx_.compiler() ? ctx_.compiler()->executorOf(hash) : "plan");
+    g.setExecutor(ctx_.compiler() && use.plan->shared ? ctx_.compiler()->executorOf(hash)
+                                                      : "plan");
     g.setCompiledRuns(use.compiledRuns);
   }
 }
@@ -323,12 +334,17 @@ void Session::hello(wire::Hello::Reader r, std::string &fatal) {
 
 void Session::define(wire::Define::Reader r) {
   ir::Hash128 hash = wire::decodeHash(r.getHash());
-  if (ctx_.find(hash))
+  if (defined_.count(hash))
     return;
   ir::Graph graph;
   std::string error = wire::decodeGraph(r.getGraph(), ctx_.limits(), graph, policy::admit);
-  if (error.empty() && ctx_.define(hash, std::move(graph), error)) {
-    if (ctx_.compiler() && r.hasExecutor() && r.getExecutor().size())
+  std::shared_ptr<const Plan> plan;
+  if (error.empty())
+    plan = ctx_.define(hash, std::move(graph), error);
+  if (plan) {
+    defined_[hash] = plan;
+    refused_.erase(hash);
+    if (ctx_.compiler() && plan->shared && r.hasExecutor() && r.getExecutor().size())
       ctx_.compiler()->prefer(hash, r.getExecutor());
     return;
   }
@@ -343,7 +359,9 @@ void Session::define(wire::Define::Reader r) {
 void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas) {
   metas.assign(1, {});
   ir::Hash128 hash = wire::decodeHash(r.getHash());
-  std::shared_ptr<const Plan> plan = ctx_.find(hash);
+  // Only graphs this session defined: a Run cannot learn whether another session defined one.
+  auto defined = defined_.find(hash);
+  std::shared_ptr<const Plan> plan = defined == defined_.end() ? nullptr : defined->second;
   uint64_t first = r.getFirstOutput();
   auto poisonAll = [&](ErrorPtr e, size_t count) {
     for (size_t k = 0; k < count; ++k)
@@ -405,7 +423,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   // node) and the output layouts are known (not the data-dependent path).
   std::shared_ptr<const CompiledGraph> compiled;
   bool queued = false;
-  if (ctx_.compiler() && !r.getReplyMetas() &&
+  if (ctx_.compiler() && plan->shared && !r.getReplyMetas() &&
       std::none_of(inputs.begin(), inputs.end(), [](const Entry &e) { return bool(e.error); }))
     compiled = ctx_.compiler()->lookup(plan, scalars, queued);
   auto name = [&] { return "graph " + hash.hex().substr(0, 12); };

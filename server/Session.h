@@ -32,9 +32,11 @@ public:
   const wire::Limits &limits() const { return limits_; }
   Compiler *compiler() const { return compiler_.get(); }
 
-  /// The plan for \p hash, or null if no session has defined it.
+  /// The shared plan for \p hash, or null if no session has defined it.
   std::shared_ptr<const Plan> find(const ir::Hash128 &hash);
-  /// Verifies and caches \p graph under \p hash (which must be the graph's own hash).
+  /// Verifies \p graph (\p hash must be its own hash) and returns its plan: the shared one if
+  /// a session defined the same graph before, else a new one, cached for every session unless
+  /// another graph already holds the hash (then it is private to the caller, see Plan::shared).
   std::shared_ptr<const Plan> define(const ir::Hash128 &hash, ir::Graph graph, std::string &error);
 
   std::atomic<uint64_t> planBuilds{0}, graphRuns{0}, compiledRuns{0}, sessions{0};
@@ -95,6 +97,8 @@ private:
   /// last chunk (a client reads one tensor at a time; a new one replaces it, so it is bounded).
   uint64_t stagedHandle_ = 0;
   at::Tensor staged_;
+  /// The graphs this session defined: the only ones its Runs can name.
+  std::map<ir::Hash128, std::shared_ptr<const Plan>> defined_;
   /// Graphs this session defined that failed checks (at most kMaxRefused are remembered).
   std::map<ir::Hash128, ErrorPtr> refused_;
   static constexpr size_t kMaxRefused = 256;

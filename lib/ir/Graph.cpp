@@ -156,6 +156,19 @@ bool Arg::operator==(const Arg &o) const {
   return i == o.i;
 }
 
+bool sameStructure(const Graph &a, const Graph &b) {
+  if (a.inputs != b.inputs || a.scalars != b.scalars || a.outputs != b.outputs ||
+      a.nodes.size() != b.nodes.size())
+    return false;
+  for (size_t i = 0; i < a.nodes.size(); ++i) {
+    const Node &x = a.nodes[i], &y = b.nodes[i];
+    if (x.op != y.op || x.args != y.args || x.strings != y.strings || x.operands != y.operands ||
+        x.scalars != y.scalars || x.outputs != y.outputs)
+      return false;
+  }
+  return true;
+}
+
 std::string Hash128::hex() const {
   char buf[33];
   snprintf(buf, sizeof buf, "%016llx%016llx", (unsigned long long)hi, (unsigned long long)lo);

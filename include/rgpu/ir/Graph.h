@@ -192,6 +192,10 @@ Canonical canonicalize(const Graph &g);
 /// scalar slot types. Not data, scalar values or locations. Two independent 64-bit xxHashes.
 Hash128 hashGraph(const Graph &g);
 
+/// True if \p a and \p b agree on everything hashGraph hashes: the same hash then means the
+/// same graph, not a collision.
+bool sameStructure(const Graph &a, const Graph &b);
+
 /// Checks internal consistency (operand ids refer to earlier values, arg indices in range, list
 /// counts in bounds, valid dtypes). Returns an empty string if well formed, else the first
 /// problem. This is structural only; the server checks ops against their schemas as well.

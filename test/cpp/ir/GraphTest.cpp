@@ -54,6 +54,23 @@ TEST(Graph, HashChangesWithShapeDtypeAndOp) {
   EXPECT_NE(base, canonicalize(strided).hash);
 }
 
+TEST(Graph, SameStructureComparesEverythingTheHashCovers) {
+  Graph base = mulAdd();
+  Graph located = mulAdd();
+  located.nodes[1].loc = located.addLocation("train.py:7"); // locations are not hashed
+  EXPECT_TRUE(sameStructure(base, located));
+  std::vector<Graph> changed(7, mulAdd());
+  changed[0].nodes[1].op = Symbol::get("aten::sub.Tensor");
+  changed[1].nodes[0].operands = {1, 0};
+  changed[2].inputs[1] = meta({4, 8}, dtype::Half);
+  changed[3].nodes[1].outputs[0].strides = {1, 4};
+  changed[4].outputs = {2};
+  changed[5].nodes[1].args.push_back(Arg::integer(2));
+  changed[6].nodes[1].strings.push_back("tanh");
+  for (size_t i = 0; i < changed.size(); ++i)
+    EXPECT_FALSE(sameStructure(base, changed[i])) << i;
+}
+
 TEST(Graph, LiftedScalarValuesAreNotHashedButConstantsAre) {
   auto withAlpha = [](Arg alpha) {
     Graph g = mulAdd();

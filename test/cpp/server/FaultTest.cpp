@@ -870,3 +870,28 @@ TEST(Faults, FramesAskingForTooMuchAreRefusedByTheirNamedLimits) {
   EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }
+
+TEST(Faults, ARunCannotNameOrDetectAnotherSessionsGraph) {
+  // The good session has defined square(); another session's Run of its hash is the same
+  // error as a Run of a hash nobody defined.
+  expectGoodSessionUnaffected();
+  Peer bad;
+  bad.hello();
+  auto runOf = [&](const ir::Hash128 &hash) {
+    auto reply = bad.send(true, 1, [&](auto cmds) {
+      auto run = cmds[0].initRun();
+      wire::encodeHash(hash, run.initHash());
+      run.initInputs(1).set(0, 100);
+      run.setFirstOutput(9000);
+      run.setNumOutputs(1);
+    });
+    return reply ? Peer::errorOf(*reply) : std::string("no reply");
+  };
+  ir::Hash128 known = ir::hashGraph(square()), never = {0x1234, 0x5678};
+  EXPECT_EQ(runOf(known), "unknown graph " + known.hex());
+  EXPECT_EQ(runOf(never), "unknown graph " + never.hex());
+  // Defining it itself, the session gets the shared plan (a graph is compared in full before
+  // its plan is shared) and runs it on its own tensors.
+  EXPECT_EQ(bad.squareOnServer(), (std::vector<float>{1, 4, 9}));
+  expectGoodSessionUnaffected();
+}
