@@ -19,6 +19,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 
@@ -59,6 +60,8 @@ options:
   --compile-memory-mib N address space one compile may use on a CPU server (default
                          16384; not applied with CUDA, which reserves more than that)
   --max-frame-mib N      largest frame accepted from a client, in MiB (default 1024)
+  --max-connections N    connections served at once (default 256); one more gets an
+                         error frame and is closed
   --max-tensor-mib N     largest tensor a graph may hold or a client may upload, in MiB
                          (default: this machine's physical memory)
   --refused-ops          list the aten ops this server refuses to run, with the reason
@@ -105,6 +108,7 @@ struct Server {
   uv_async_t wake;
   uv_signal_t sigint, sigterm;
   std::unique_ptr<Context> ctx;
+  size_t maxConnections = 256;
   uint64_t nextId = 1;
   std::unordered_map<uint64_t, Connection *> conns;
   std::mutex outMu;
@@ -182,6 +186,8 @@ void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
       bool any = false;
       std::lock_guard<std::mutex> lock(c->worker->mu);
       while (c->decoder.next(frame)) {
+        if (c->worker->stopped) // a refused connection: read and dropped
+          continue;
         c->worker->queue.push_back(std::move(frame));
         any = true;
       }
@@ -220,8 +226,32 @@ void onConnection(uv_stream_t *listener, int status) {
   }
   c->peer = std::string("session ") + std::to_string(c->id) + " (" + host + ")";
   c->worker = std::make_shared<Worker>();
+  bool full = server->conns.size() >= server->maxConnections;
   server->conns[c->id] = c;
-  std::thread(runWorker, server, c->id, c->peer, c->worker).detach();
+  std::string refusal;
+  if (full) {
+    refusal = "rgpu-opserver is serving its limit of " + std::to_string(server->maxConnections) +
+              " connections (--max-connections); try again later";
+  } else {
+    try {
+      std::thread(runWorker, server, c->id, c->peer, c->worker).detach();
+    } catch (const std::system_error &e) {
+      refusal = std::string("rgpu-opserver cannot start a session now (") + e.what() +
+                "); try again later";
+    }
+  }
+  if (!refusal.empty()) {
+    // Refused whole: one error frame, then the connection closes; nothing of it remains.
+    log(c->peer + ": " + refusal);
+    c->worker->stopped = true;
+    capnp::MallocMessageBuilder reply;
+    auto e = reply.initRoot<wire::ServerFrame>().initError();
+    e.setMessage(refusal);
+    e.setKind(wire::Error::Kind::PROTOCOL);
+    server->post({c->id, net::encodeFrame(reply, true), true});
+  }
+  // A refused connection is read too (its worker is stopped, so nothing is kept): closing a
+  // socket with unread bytes would reset it before the client reads the error frame.
   uv_read_start(reinterpret_cast<uv_stream_t *>(&c->tcp), onAlloc, onRead);
 }
 
@@ -289,6 +319,7 @@ int main(int argc, char **argv) {
   const char *python = std::getenv("RGPU_PYTHON");
   int port = 9720;
   wire::Limits limits;
+  size_t maxConnections = 256;
   limits.maxTensorBytes = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -334,6 +365,8 @@ int main(int argc, char **argv) {
         compile.cpuSeconds = std::max(1, std::stoi(value()));
       } else if (a == "--compile-memory-mib") {
         compile.memoryMiB = std::max(256, std::stoi(value()));
+      } else if (a == "--max-connections") {
+        maxConnections = std::max(1, std::stoi(value()));
       } else if (a == "--max-tensor-mib") {
         limits.maxTensorBytes = std::stoull(value()) << 20;
       } else if (a == "--max-frame-mib") {
@@ -375,6 +408,7 @@ int main(int argc, char **argv) {
     inductor = std::make_unique<Compiler>(compile, dev);
   }
   server.ctx = std::make_unique<Context>(dev, limits, std::move(inductor));
+  server.maxConnections = maxConnections;
   server.loop = uv_default_loop();
   uv_tcp_init(server.loop, &server.listener);
   server.listener.data = &server;

@@ -2,9 +2,10 @@
 
 import os
 import subprocess
+import sys
 
 import torch
-from conftest import opserver_path
+from conftest import Server, opserver_path, run_client
 
 
 def run(*args):
@@ -15,7 +16,7 @@ def test_help_explains_every_flag():
     r = run("--help")
     assert r.returncode == 0
     for flag in ("--device", "--port", "--bind", "--compiler", "--max-frame-mib",
-                 "--max-tensor-mib", "--compile-timeout", "--refused-ops"):
+                 "--max-tensor-mib", "--compile-timeout", "--refused-ops", "--max-connections"):
         assert flag in r.stdout
 
 
@@ -50,3 +51,26 @@ def test_docs_list_every_op_the_server_refuses():
     # Nothing a model needs is among them.
     assert not {"aten::addmm", "aten::convolution", "aten::_softmax", "aten::view_copy",
                 "aten::as_strided_copy", "aten::_fused_adam", "aten::gelu"} & refused
+
+
+def test_a_connection_past_the_limit_is_refused_clearly_and_the_others_go_on():
+    server = Server("--max-connections", "1")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch, rgpu\n"
+         "x = torch.ones(2, device='rgpu'); print(x.sum().item(), flush=True)\n"
+         "sys.stdin.readline()\n"
+         "print((x * 3).sum().item(), flush=True)\n"],
+        env=dict(os.environ, RGPU_OPSERVER=server.address), stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "2.0"
+        r = run_client(server.address, "import torch, rgpu\nprint(torch.ones(2, device='rgpu').sum().item())")
+        assert r.returncode != 0
+        assert "rgpu.SessionLost" in r.stderr and "its limit of 1 connections" in r.stderr, r.stderr
+        out, _ = holder.communicate("\n", timeout=60)  # the session being served is unaffected
+        assert out.strip() == "6.0"
+        r = run_client(server.address, "import torch, rgpu\nprint(torch.ones(2, device='rgpu').sum().item())")
+        assert r.returncode == 0 and r.stdout.strip() == "2.0", r.stderr
+    finally:
+        holder.kill()
+        server.stop()
