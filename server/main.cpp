@@ -16,6 +16,7 @@
 #include <uv.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -62,6 +63,8 @@ options:
   --max-frame-mib N      largest frame accepted from a client, in MiB (default 1024)
   --max-connections N    connections served at once (default 256); one more gets an
                          error frame and is closed
+  --hello-timeout S      seconds a new connection has to send its Hello before it is
+                         closed (default 10)
   --max-tensor-mib N     largest tensor a graph may hold or a client may upload, in MiB
                          (default: this machine's physical memory)
   --refused-ops          list the aten ops this server refuses to run, with the reason
@@ -83,10 +86,16 @@ struct Worker {
   std::condition_variable cv;
   std::deque<net::Frame> queue;
   bool stopped = false;
+  std::atomic<bool> greeted{false}; ///< the session's Hello was accepted
 };
 
 struct Connection {
   uv_tcp_t tcp;
+  /// Closes a connection that has not said Hello in time: one that never speaks costs a
+  /// socket for a few seconds, not for ever.
+  uv_timer_t helloTimer;
+  int handlesOpen = 2; ///< tcp and helloTimer; the connection is freed when both are closed
+  uint64_t framesReceived = 0;
   uint64_t id;
   Server *server;
   net::FrameDecoder decoder;
@@ -109,6 +118,7 @@ struct Server {
   uv_signal_t sigint, sigterm;
   std::unique_ptr<Context> ctx;
   size_t maxConnections = 256;
+  uint64_t helloTimeoutMs = 10000;
   uint64_t nextId = 1;
   std::unordered_map<uint64_t, Connection *> conns;
   std::mutex outMu;
@@ -134,8 +144,14 @@ void closeConnection(Connection *c) {
   }
   c->worker->cv.notify_all();
   c->server->conns.erase(c->id);
-  uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp),
-           [](uv_handle_t *h) { delete static_cast<Connection *>(h->data); });
+  auto closed = [](uv_handle_t *h) {
+    auto *conn = static_cast<Connection *>(h->data);
+    if (--conn->handlesOpen == 0)
+      delete conn;
+  };
+  uv_timer_stop(&c->helloTimer);
+  uv_close(reinterpret_cast<uv_handle_t *>(&c->helloTimer), closed);
+  uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp), closed);
 }
 
 void serveSession(Server *server, uint64_t connId, const std::string &peer,
@@ -156,6 +172,7 @@ void serveSession(Server *server, uint64_t connId, const std::string &peer,
       server->post({connId, std::move(out.reply), out.close});
     if (out.close)
       break;
+    w->greeted = true; // a first frame that did not start with a Hello closed the session
   }
 }
 
@@ -189,6 +206,7 @@ void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
         if (c->worker->stopped) // a refused connection: read and dropped
           continue;
         c->worker->queue.push_back(std::move(frame));
+        ++c->framesReceived;
         any = true;
       }
       if (any)
@@ -209,9 +227,18 @@ void onConnection(uv_stream_t *listener, int status) {
   c->id = server->nextId++;
   uv_tcp_init(server->loop, &c->tcp);
   c->tcp.data = c;
+  uv_timer_init(server->loop, &c->helloTimer);
+  c->helloTimer.data = c;
+  c->worker = std::make_shared<Worker>();
   if (uv_accept(listener, reinterpret_cast<uv_stream_t *>(&c->tcp)) != 0) {
-    uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp),
-             [](uv_handle_t *h) { delete static_cast<Connection *>(h->data); });
+    c->closing = true;
+    auto closed = [](uv_handle_t *h) {
+      auto *conn = static_cast<Connection *>(h->data);
+      if (--conn->handlesOpen == 0)
+        delete conn;
+    };
+    uv_close(reinterpret_cast<uv_handle_t *>(&c->helloTimer), closed);
+    uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp), closed);
     return;
   }
   uv_tcp_nodelay(&c->tcp, 1);
@@ -225,7 +252,6 @@ void onConnection(uv_stream_t *listener, int status) {
       uv_ip6_name(reinterpret_cast<sockaddr_in6 *>(&addr), host, sizeof host);
   }
   c->peer = std::string("session ") + std::to_string(c->id) + " (" + host + ")";
-  c->worker = std::make_shared<Worker>();
   bool full = server->conns.size() >= server->maxConnections;
   server->conns[c->id] = c;
   std::string refusal;
@@ -250,6 +276,24 @@ void onConnection(uv_stream_t *listener, int status) {
     e.setKind(wire::Error::Kind::PROTOCOL);
     server->post({c->id, net::encodeFrame(reply, true), true});
   }
+  uv_timer_start(
+      &c->helloTimer,
+      [](uv_timer_t *t) {
+        auto *conn = static_cast<Connection *>(t->data);
+        if (conn->worker->greeted || conn->closing)
+          return;
+        if (conn->framesReceived > 0 || conn->decoder.pendingBytes() > 0) {
+          // Its first frame is arriving or being served (a slow link, a large first frame):
+          // look again later rather than cut a client off mid-Hello.
+          uv_timer_start(t, t->timer_cb, conn->server->helloTimeoutMs, 0);
+          return;
+        }
+        log(conn->peer + ": no Hello within " +
+            std::to_string(conn->server->helloTimeoutMs / 1000.0).substr(0, 4) +
+            " s; closing the connection");
+        closeConnection(conn);
+      },
+      server->helloTimeoutMs, 0);
   // A refused connection is read too (its worker is stopped, so nothing is kept): closing a
   // socket with unread bytes would reset it before the client reads the error frame.
   uv_read_start(reinterpret_cast<uv_stream_t *>(&c->tcp), onAlloc, onRead);
@@ -320,6 +364,7 @@ int main(int argc, char **argv) {
   int port = 9720;
   wire::Limits limits;
   size_t maxConnections = 256;
+  uint64_t helloTimeoutMs = 10000;
   limits.maxTensorBytes = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -365,6 +410,8 @@ int main(int argc, char **argv) {
         compile.cpuSeconds = std::max(1, std::stoi(value()));
       } else if (a == "--compile-memory-mib") {
         compile.memoryMiB = std::max(256, std::stoi(value()));
+      } else if (a == "--hello-timeout") {
+        helloTimeoutMs = uint64_t(std::max(0.05, std::stod(value())) * 1000);
       } else if (a == "--max-connections") {
         maxConnections = std::max(1, std::stoi(value()));
       } else if (a == "--max-tensor-mib") {
@@ -409,6 +456,7 @@ int main(int argc, char **argv) {
   }
   server.ctx = std::make_unique<Context>(dev, limits, std::move(inductor));
   server.maxConnections = maxConnections;
+  server.helloTimeoutMs = helloTimeoutMs;
   server.loop = uv_default_loop();
   uv_tcp_init(server.loop, &server.listener);
   server.listener.data = &server;

@@ -74,3 +74,20 @@ def test_a_connection_past_the_limit_is_refused_clearly_and_the_others_go_on():
     finally:
         holder.kill()
         server.stop()
+
+
+def test_a_connection_that_never_says_hello_is_closed_by_the_timeout():
+    import socket
+    import time
+    server = Server("--hello-timeout", "1")
+    try:
+        silent = socket.create_connection(("127.0.0.1", server.port))
+        silent.settimeout(10)
+        start = time.time()
+        assert silent.recv(16) == b""  # closed by the server, with nothing sent
+        assert time.time() - start < 5
+        r = run_client(server.address, "import torch, rgpu\nprint(torch.ones(2, device='rgpu').sum().item())")
+        assert r.returncode == 0 and r.stdout.strip() == "2.0", r.stderr
+        assert any("no Hello within" in line for line in server.log), server.log
+    finally:
+        server.stop()
