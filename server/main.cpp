@@ -133,6 +133,13 @@ struct Server {
   }
 };
 
+/// The close callback of a connection's handles; the last one frees the connection.
+void onHandleClosed(uv_handle_t *h) {
+  auto *conn = static_cast<Connection *>(h->data);
+  if (--conn->handlesOpen == 0)
+    delete conn;
+}
+
 void closeConnection(Connection *c) {
   if (c->closing)
     return;
@@ -144,14 +151,9 @@ void closeConnection(Connection *c) {
   }
   c->worker->cv.notify_all();
   c->server->conns.erase(c->id);
-  auto closed = [](uv_handle_t *h) {
-    auto *conn = static_cast<Connection *>(h->data);
-    if (--conn->handlesOpen == 0)
-      delete conn;
-  };
   uv_timer_stop(&c->helloTimer);
-  uv_close(reinterpret_cast<uv_handle_t *>(&c->helloTimer), closed);
-  uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp), closed);
+  uv_close(reinterpret_cast<uv_handle_t *>(&c->helloTimer), onHandleClosed);
+  uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp), onHandleClosed);
 }
 
 void serveSession(Server *server, uint64_t connId, const std::string &peer,
@@ -232,13 +234,8 @@ void onConnection(uv_stream_t *listener, int status) {
   c->worker = std::make_shared<Worker>();
   if (uv_accept(listener, reinterpret_cast<uv_stream_t *>(&c->tcp)) != 0) {
     c->closing = true;
-    auto closed = [](uv_handle_t *h) {
-      auto *conn = static_cast<Connection *>(h->data);
-      if (--conn->handlesOpen == 0)
-        delete conn;
-    };
-    uv_close(reinterpret_cast<uv_handle_t *>(&c->helloTimer), closed);
-    uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp), closed);
+    uv_close(reinterpret_cast<uv_handle_t *>(&c->helloTimer), onHandleClosed);
+    uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp), onHandleClosed);
     return;
   }
   uv_tcp_nodelay(&c->tcp, 1);
