@@ -50,10 +50,10 @@ std::string seconds(double s) {
   return buf;
 }
 
-/// Reads a CompileResult file: "" and the constants of a successful compile, else why not (the
-/// worker's error, or why the file cannot be read).
+/// Reads a CompileResult file: "" (and, if asked for, the constants) for a successful compile,
+/// else why not (the worker's error, or why the file cannot be read).
 std::string readResult(const std::string &path,
-                       std::vector<std::pair<uint32_t, ir::ScalarValue>> &constants) {
+                       std::vector<std::pair<uint32_t, ir::ScalarValue>> *constants = nullptr) {
   kj::Array<capnp::word> words;
   if (std::string e = wire::readMessageFile(path, words); !e.empty())
     return e;
@@ -63,8 +63,9 @@ std::string readResult(const std::string &path,
     auto result = reader.getRoot<wire::CompileResult>();
     if (result.isError())
       return result.getError();
-    for (auto c : result.getOk().getConstants())
-      constants.emplace_back(c.getSlot(), wire::decodeScalar(c.getValue()));
+    if (constants)
+      for (auto c : result.getOk().getConstants())
+        constants->emplace_back(c.getSlot(), wire::decodeScalar(c.getValue()));
     return "";
   } catch (const kj::Exception &e) {
     return path + ": " + e.getDescription().cStr();
@@ -249,7 +250,7 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
   size_t nodes = job.plan->graph().nodes.size();
   auto load = [&]() -> std::shared_ptr<const CompiledGraph> {
     std::vector<std::pair<uint32_t, ir::ScalarValue>> constants;
-    if (std::string e = readResult(package + ".spec", constants); !e.empty()) {
+    if (std::string e = readResult(package + ".spec", &constants); !e.empty()) {
       error = "its package has no readable .spec file (" + e + ")";
       return nullptr;
     }
@@ -276,8 +277,7 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
     log(name + ": " + error + "; compiling it again");
     fs::remove(package, ec);
   } else if (fs::exists(failed, ec)) {
-    std::vector<std::pair<uint32_t, ir::ScalarValue>> none;
-    error = "an earlier compile failed: " + readResult(failed, none) + " (delete " + failed +
+    error = "an earlier compile failed: " + readResult(failed) + " (delete " + failed +
             " to retry)";
     log(name + ": stays on the plan executor; " + error);
     return nullptr;
@@ -323,9 +323,9 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
   int status = spawnWorker(argv, base + ".log");
   double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   fs::remove(jobPath, ec);
-  std::vector<std::pair<uint32_t, ir::ScalarValue>> none;
-  std::string said = fs::exists(resultPath, ec) ? readResult(resultPath, none) : "no result";
-  if (status != 0 || !said.empty()) {
+  bool answered = fs::exists(resultPath, ec);
+  std::string said = answered ? readResult(resultPath) : "";
+  if (status != 0 || !answered || !said.empty()) {
     bool stopping;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -334,7 +334,7 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
     if (stopping) {
       error = "cancelled by the shutdown";
       log(name + ": compile cancelled by the shutdown; nothing of it is kept");
-    } else if (status == 1 && said != "no result") {
+    } else if (status == 1 && answered) {
       // The worker said why: keep its log and remember the failure across restarts.
       error = said;
       fs::rename(resultPath, failed, ec);

@@ -91,6 +91,25 @@ ir::Graph square() {
   return g;
 }
 
+/// Fills \p cmd with a Define of \p g under its own hash.
+void defineIn(wire::Command::Builder cmd, const ir::Graph &g) {
+  auto def = cmd.initDefine();
+  wire::encodeHash(ir::hashGraph(g), def.initHash());
+  wire::encodeGraph(g, def.initGraph());
+}
+
+/// Fills \p cmd with a Run of \p hash on \p inputs, binding \p outputs handles from \p first.
+void runIn(wire::Command::Builder cmd, const ir::Hash128 &hash, std::vector<uint64_t> inputs,
+           uint64_t first, uint64_t outputs) {
+  auto run = cmd.initRun();
+  wire::encodeHash(hash, run.initHash());
+  auto in = run.initInputs(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i)
+    in.set(i, inputs[i]);
+  run.setFirstOutput(first);
+  run.setNumOutputs(outputs);
+}
+
 /// A client speaking the wire protocol by hand.
 class Peer {
 public:
@@ -262,18 +281,9 @@ private:
 std::optional<net::Frame> defineRunDownload(Peer &peer, const ir::Graph &g,
                                             std::vector<uint64_t> inputs,
                                             const ir::TensorMeta &outMeta) {
-  ir::Hash128 hash = ir::hashGraph(g);
   return peer.send(true, 3, [&](auto cmds) {
-    auto def = cmds[0].initDefine();
-    wire::encodeHash(hash, def.initHash());
-    wire::encodeGraph(g, def.initGraph());
-    auto run = cmds[1].initRun();
-    wire::encodeHash(hash, run.initHash());
-    auto in = run.initInputs(inputs.size());
-    for (size_t i = 0; i < inputs.size(); ++i)
-      in.set(i, inputs[i]);
-    run.setFirstOutput(7000);
-    run.setNumOutputs(g.outputs.size());
+    defineIn(cmds[0], g);
+    runIn(cmds[1], ir::hashGraph(g), inputs, 7000, g.outputs.size());
     auto down = cmds[2].initDownload();
     down.setHandle(7000);
     wire::encodeMeta(outMeta, down.initMeta());
@@ -419,14 +429,8 @@ TEST(Faults, RunsNamingUnknownGraphsOrHandlesAreErrors) {
   ir::Graph g = square();
   ir::Hash128 hash = ir::hashGraph(g);
   auto unknownHandle = bad.send(true, 2, [&](auto cmds) {
-    auto def = cmds[0].initDefine();
-    wire::encodeHash(hash, def.initHash());
-    wire::encodeGraph(g, def.initGraph());
-    auto run = cmds[1].initRun();
-    wire::encodeHash(hash, run.initHash());
-    run.initInputs(1).set(0, 424242);
-    run.setFirstOutput(6);
-    run.setNumOutputs(1);
+    defineIn(cmds[0], g);
+    runIn(cmds[1], hash, {424242}, 6, 1);
   });
   ASSERT_TRUE(unknownHandle);
   EXPECT_NE(Peer::errorOf(*unknownHandle).find("unknown tensor handle 424242"), std::string::npos);
@@ -551,14 +555,8 @@ TEST(Faults, ARunWhoseOutputCountDisagreesWithItsGraphIsAnError) {
   ir::Graph g = square();
   ir::Hash128 hash = ir::hashGraph(g);
   auto reply = bad.send(true, 2, [&](auto cmds) {
-    auto def = cmds[0].initDefine();
-    wire::encodeHash(hash, def.initHash());
-    wire::encodeGraph(g, def.initGraph());
-    auto run = cmds[1].initRun();
-    wire::encodeHash(hash, run.initHash());
-    run.initInputs(1).set(0, 1);
-    run.setFirstOutput(2);
-    run.setNumOutputs(1000);
+    defineIn(cmds[0], g);
+    runIn(cmds[1], hash, {1}, 2, 1000);
   });
   ASSERT_TRUE(reply);
   EXPECT_NE(Peer::errorOf(*reply).find("wrong number of inputs, scalars or outputs"), std::string::npos)
@@ -784,11 +782,7 @@ TEST(Faults, RefusedDefinesLeaveNothingBehind) {
     return g;
   };
   auto define = [](Peer &peer, const ir::Graph &g) {
-    return peer.send(true, 1, [&](auto cmds) {
-      auto def = cmds[0].initDefine();
-      wire::encodeHash(ir::hashGraph(g), def.initHash());
-      wire::encodeGraph(g, def.initGraph());
-    });
+    return peer.send(true, 1, [&](auto cmds) { defineIn(cmds[0], g); });
   };
   double before = 0;
   {
@@ -878,13 +872,7 @@ TEST(Faults, ARunCannotNameOrDetectAnotherSessionsGraph) {
   Peer bad;
   bad.hello();
   auto runOf = [&](const ir::Hash128 &hash) {
-    auto reply = bad.send(true, 1, [&](auto cmds) {
-      auto run = cmds[0].initRun();
-      wire::encodeHash(hash, run.initHash());
-      run.initInputs(1).set(0, 100);
-      run.setFirstOutput(9000);
-      run.setNumOutputs(1);
-    });
+    auto reply = bad.send(true, 1, [&](auto cmds) { runIn(cmds[0], hash, {100}, 9000, 1); });
     return reply ? Peer::errorOf(*reply) : std::string("no reply");
   };
   ir::Hash128 known = ir::hashGraph(square()), never = {0x1234, 0x5678};
