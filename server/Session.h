@@ -14,11 +14,11 @@
 #include "rgpu/net/Frame.h"
 #include "rgpu/wire/Wire.h"
 
-#include <llvm/ADT/DenseMap.h>
 
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <unordered_map>
 
 namespace rgpu::server {
 
@@ -91,7 +91,9 @@ private:
   std::string peer_;
   bool greeted_ = false;
   at::Generator generator_;
-  llvm::DenseMap<uint64_t, Entry> tensors_;
+  /// Keyed by the client's handles: any 64-bit value, so not an llvm::DenseMap, which reserves
+  /// two keys (session_fuzz found a Run binding ~0 corrupt it).
+  std::unordered_map<uint64_t, Entry> tensors_;
   std::map<uint64_t, std::unique_ptr<Partial>> partial_;
   /// The one tensor being downloaded in chunks, copied into the layout asked for, until its
   /// last chunk (a client reads one tensor at a time; a new one replaces it, so it is bounded).

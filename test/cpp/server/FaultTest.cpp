@@ -883,3 +883,34 @@ TEST(Faults, ARunCannotNameOrDetectAnotherSessionsGraph) {
   EXPECT_EQ(bad.squareOnServer(), (std::vector<float>{1, 4, 9}));
   expectGoodSessionUnaffected();
 }
+
+TEST(Faults, HandlesAreAny64BitValue) {
+  // Found by session_fuzz (test/fuzz/regressions): the handle table was an llvm::DenseMap, whose
+  // two reserved keys a Run could bind, corrupting it.
+  Beside beside;
+  Peer bad;
+  bad.hello();
+  const uint64_t in = ~uint64_t(0), out = ~uint64_t(0) - 1;
+  const float data[3] = {1, 2, 3};
+  ir::Graph g = square();
+  auto reply = bad.send(true, 4, [&](auto cmds) {
+    uploadChunk(cmds[0], in, vec3(), 12, 0,
+                kj::arrayPtr(reinterpret_cast<const kj::byte *>(data), 12));
+    defineIn(cmds[1], g);
+    runIn(cmds[2], ir::hashGraph(g), {in}, out, 1);
+    auto down = cmds[3].initDownload();
+    down.setHandle(out);
+    wire::encodeMeta(vec3(), down.initMeta());
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(Peer::errorOf(*reply), "");
+  auto r = net::openFrame(*reply, wire::Limits());
+  auto results = r->getRoot<wire::ServerFrame>().getResults();
+  ASSERT_EQ(results.size(), 1u);
+  std::vector<float> v(3);
+  ASSERT_EQ(results[0].getData().size(), 12u);
+  std::memcpy(v.data(), results[0].getData().begin(), 12);
+  EXPECT_EQ(v, (std::vector<float>{1, 4, 9}));
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
