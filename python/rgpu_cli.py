@@ -7,9 +7,11 @@ importing torch.
 import argparse
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -39,21 +41,48 @@ examples:
   rgpu-run --server 127.0.0.1:9720 -- python train.py
   rgpu-run --server 127.0.0.1:9720 python train.py     (the -- is optional)
 
-With --host, opens `ssh -N -L PORT:127.0.0.1:REMOTE_PORT HOST`, waits until the tunnel accepts,
-runs the command with RGPU_OPSERVER pointing at it, and closes the tunnel afterwards.
+With --host, rgpu-run asks the host (over ssh) where its rgpu-opserver's Unix socket is
+($XDG_RUNTIME_DIR/rgpu/opserver.sock or ~/.rgpu/opserver.sock there), forwards a socket in a
+private local directory to it (`ssh -N -L LOCAL.sock:REMOTE.sock HOST`), runs the command with
+RGPU_OPSERVER pointing at it, and closes the tunnel afterwards. Only you can open either end,
+so no token is needed. With --remote-port, it forwards a local TCP port to the server's TCP
+port instead and fetches the server's token over the same ssh (RGPU_TOKEN for the command).
 Exit status: the command's; 2 for usage errors; 1 if the tunnel never came up; 127 if the
 command is not found."""
 
+# Prints the server's socket on the host, or exits 3 (run by the host's sh).
+FIND_SOCKET = ('for s in "${XDG_RUNTIME_DIR:+$XDG_RUNTIME_DIR/rgpu/opserver.sock}" '
+               '"$HOME/.rgpu/opserver.sock"; do [ -n "$s" ] && [ -S "$s" ] && '
+               '{ echo "$s"; exit 0; }; done; exit 3')
+# Prints the server's token on the host (run by the host's sh).
+READ_TOKEN = 'cat "${XDG_CONFIG_HOME:-$HOME/.config}/rgpu/token"'
 
-def ssh_command(host, local_port, remote_port=9720, ssh_port=None, identity=None):
-    """The ssh command line that forwards local_port to the server's loopback port."""
-    cmd = ["ssh", "-N", "-o", "ExitOnForwardFailure=yes", "-o", "BatchMode=yes",
-           "-L", f"127.0.0.1:{local_port}:127.0.0.1:{remote_port}"]
+
+def ssh_base(host, ssh_port=None, identity=None):
+    cmd = ["ssh", "-o", "BatchMode=yes"]
     if ssh_port:
         cmd += ["-p", str(ssh_port)]
     if identity:
         cmd += ["-i", identity]
-    return cmd + [host]
+    return cmd
+
+
+def ssh_command(host, local, remote, ssh_port=None, identity=None):
+    """The ssh command line of the tunnel: `local` and `remote` are socket paths, or ports (a
+    TCP forward between the two loopback addresses)."""
+    if isinstance(local, int):
+        local, remote = f"127.0.0.1:{local}", f"127.0.0.1:{remote}"
+    return ssh_base(host, ssh_port, identity) + [
+        "-N", "-o", "ExitOnForwardFailure=yes", "-o", "StreamLocalBindUnlink=yes",
+        "-L", f"{local}:{remote}", host]
+
+
+def _on_host(args, script):
+    """Runs `script` with the host's sh; returns (exit status, stdout, stderr)."""
+    cmd = ssh_base(args.host, args.ssh_port, args.identity) + [args.host, script]
+    r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       timeout=args.tunnel_timeout)
+    return r.returncode, r.stdout.strip(), r.stderr.strip()
 
 
 def _free_port():
@@ -62,17 +91,58 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _wait_for_tunnel(proc, port, timeout):
+def _wait_for_tunnel(proc, local, timeout):
+    """Waits until ssh listens on `local` (a socket path, or a port it is probed on)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             return False
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        if isinstance(local, str):
+            if os.path.exists(local):
                 return True
-        except OSError:
-            time.sleep(0.1)
+        else:
+            try:
+                with socket.create_connection(("127.0.0.1", local), timeout=0.5):
+                    return True
+            except OSError:
+                pass
+        time.sleep(0.1)
     return False
+
+
+def _tunnel(args):
+    """Opens the tunnel of --host. Returns (ssh process, environment for the command, local
+    directory to remove), or an error message."""
+    env, tmp = {}, None
+    if args.remote_port:
+        code, token, err = _on_host(args, READ_TOKEN)
+        if code != 0 or not token:
+            return f"cannot read rgpu-opserver's token on {args.host}" + (f": {err}" if err else "")
+        local, remote = _free_port(), args.remote_port
+        env = {"RGPU_OPSERVER": f"127.0.0.1:{local}", "RGPU_TOKEN": token}
+    else:
+        remote = args.remote_socket
+        if not remote:
+            code, remote, err = _on_host(args, FIND_SOCKET)
+            if code == 3:
+                return (f"no rgpu-opserver socket on {args.host} (looked for "
+                        "$XDG_RUNTIME_DIR/rgpu/opserver.sock and ~/.rgpu/opserver.sock): start "
+                        "`rgpu-opserver` there, or give --remote-socket or --remote-port")
+            if code != 0 or not remote:
+                return f"cannot reach {args.host} with ssh" + (f": {err}" if err else "")
+        tmp = tempfile.mkdtemp(prefix="rgpu-run-")  # mode 0700: only this user
+        local = os.path.join(tmp, "opserver.sock")
+        env = {"RGPU_OPSERVER": f"unix:{local}"}
+    cmd = ssh_command(args.host, local, remote, args.ssh_port, args.identity)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if not _wait_for_tunnel(proc, local, args.tunnel_timeout):
+        proc.kill()
+        err = proc.communicate()[1].strip()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return f"the tunnel to {args.host} did not come up ({shlex.join(cmd)})" + (
+            f": {err}" if err else "")
+    return proc, env, tmp
 
 
 def run(argv=None) -> int:
@@ -86,10 +156,13 @@ def run(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--host", help="[user@]HOST running rgpu-opserver, reached with ssh")
-    where.add_argument("--server", help="HOST:PORT of an rgpu-opserver reachable directly")
+    where.add_argument("--server", help="unix:PATH or HOST:PORT of an rgpu-opserver reachable "
+                       "directly (over TCP, set RGPU_TOKEN or have its token file)")
     p.add_argument("--ssh-port", type=int, help="ssh port on the host")
     p.add_argument("-i", dest="identity", help="ssh identity file")
-    p.add_argument("--remote-port", type=int, default=9720, help="rgpu-opserver's port (default 9720)")
+    p.add_argument("--remote-socket", help="rgpu-opserver's socket on the host (default: found)")
+    p.add_argument("--remote-port", type=int,
+                   help="reach rgpu-opserver's TCP port instead of its socket (with its token)")
     p.add_argument("--tunnel-timeout", type=float, default=20, help="seconds to wait for the tunnel")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="the program to run, after -- or after the last option")
@@ -103,22 +176,20 @@ def run(argv=None) -> int:
         print("rgpu-run: no command given (put it after --)", file=sys.stderr)
         return 2
 
-    tunnel = None
+    tunnel, tmp = None, None
     if args.host:
-        port = _free_port()
-        cmd = ssh_command(args.host, port, args.remote_port, args.ssh_port, args.identity)
-        tunnel = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if not _wait_for_tunnel(tunnel, port, args.tunnel_timeout):
-            tunnel.kill()
-            err = tunnel.communicate()[1].strip()
-            print(f"rgpu-run: the tunnel to {args.host} did not come up ({shlex.join(cmd)})"
-                  + (f": {err}" if err else ""), file=sys.stderr)
+        try:
+            opened = _tunnel(args)
+        except subprocess.TimeoutExpired:
+            opened = f"ssh to {args.host} did not answer within {args.tunnel_timeout:g} s"
+        if isinstance(opened, str):
+            print(f"rgpu-run: {opened}", file=sys.stderr)
             return 1
-        address = f"127.0.0.1:{port}"
+        tunnel, env, tmp = opened
     else:
-        address = args.server
+        env = {"RGPU_OPSERVER": args.server}
     try:
-        child = subprocess.run(command, env=dict(os.environ, RGPU_OPSERVER=address))
+        child = subprocess.run(command, env=dict(os.environ, **env))
         return child.returncode
     except FileNotFoundError:
         print(f"rgpu-run: {command[0]}: command not found", file=sys.stderr)
@@ -127,6 +198,8 @@ def run(argv=None) -> int:
         if tunnel:
             tunnel.terminate()
             tunnel.wait()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run_main() -> None:

@@ -1,6 +1,8 @@
 #include "Session.h"
 #include "Policy.h"
 
+#include "rgpu/net/Auth.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -73,12 +75,18 @@ struct Session::Partial {
   uint64_t received = 0;
 };
 
-Session::Session(Context &ctx, std::string peer) : ctx_(ctx), peer_(std::move(peer)) {
+Session::Session(Context &ctx, std::string peer, Admission admission,
+                 const std::atomic<bool> *cancelled)
+    : ctx_(ctx), peer_(std::move(peer)), admission_(std::move(admission)), cancelled_(cancelled) {
   generator_ = at::globalContext().defaultGenerator(ctx_.device()).clone();
   ++ctx_.sessions;
 }
 
-Session::~Session() { --ctx_.sessions; }
+Session::~Session() {
+  --ctx_.sessions;
+  if (greeted_)
+    --ctx_.greetedSessions;
+}
 
 void Session::fail(ErrorPtr error) {
   if (!pending_)
@@ -132,7 +140,7 @@ FrameOutcome Session::failure(const std::string &why) {
 FrameOutcome Session::serve(const net::Frame &frame) {
   FrameOutcome outcome;
   std::vector<ResultItem> results;
-  std::string fatal;
+  std::string fatal, serverMac;
   uint64_t seq = 0;
   bool wantReply = false;
   capnp::MallocMessageBuilder reply;
@@ -148,8 +156,8 @@ FrameOutcome Session::serve(const net::Frame &frame) {
               std::to_string(ctx_.limits().maxCommands);
     uint64_t replyData = 0;
     for (auto cmd : commands) {
-      if (!fatal.empty())
-        break;
+      if (!fatal.empty() || (cancelled_ && cancelled_->load()))
+        break; // a connection that ended has its remaining commands dropped
       if (!greeted_ && cmd.which() != wire::Command::HELLO) {
         fatal = "the first command of a session must be Hello";
         break;
@@ -160,7 +168,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       switch (cmd.which()) {
       case wire::Command::HELLO:
         results.push_back({wire::Result::HELLO, nullptr, {}});
-        hello(cmd.getHello(), fatal);
+        hello(cmd.getHello(), fatal, serverMac);
         break;
       case wire::Command::DEFINE: define(cmd.getDefine()); break;
       case wire::Command::RUN: {
@@ -245,6 +253,9 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       h.setTorchVersion(bridge::torchVersion());
       h.setDevice(ctx_.device().str());
       h.setCompiler(ctx_.compiler() ? "inductor" : "plan");
+      if (!serverMac.empty())
+        h.setServerMac(kj::arrayPtr(reinterpret_cast<const kj::byte *>(serverMac.data()),
+                                    serverMac.size()));
       break;
     }
     case wire::Result::DATA: rs[i].setData(item.data); break;
@@ -261,8 +272,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
   if (!fatal.empty()) {
     auto e = sf.initError();
     e.setMessage(fatal);
-    e.setKind(fatal.rfind("version", 0) == 0 ? wire::Error::Kind::VERSION
-                                             : wire::Error::Kind::PROTOCOL);
+    e.setKind(fatalKind_);
   } else if (pending_) {
     auto e = sf.initError();
     e.setOp(pending_->op);
@@ -323,10 +333,38 @@ void Session::stats(wire::ServerStats::Builder out) {
   }
 }
 
-void Session::hello(wire::Hello::Reader r, std::string &fatal) {
+void Session::hello(wire::Hello::Reader r, std::string &fatal, std::string &serverMac) {
+  if (greeted_) {
+    fatal = "a second Hello in one session";
+    return;
+  }
+  // Who the peer is comes first: an unauthenticated peer learns nothing, not even versions.
+  if (!admission_.challenge.empty()) {
+    auto bytes = [](capnp::Data::Reader d) {
+      return std::string(reinterpret_cast<const char *>(d.begin()), d.size());
+    };
+    std::string nonce = bytes(r.getClientNonce());
+    if (!r.hasAuthMac() || nonce.size() != net::auth::kNonceBytes ||
+        !net::auth::sameMac(bytes(r.getAuthMac()),
+                            net::auth::clientMac(admission_.token, admission_.challenge, nonce))) {
+      fatalKind_ = wire::Error::Kind::AUTH;
+      fatal = r.hasAuthMac() ? "authentication failed: the client's token is not this server's"
+                             : "authentication failed: this server needs a token over TCP, and "
+                               "the client sent none";
+      return;
+    }
+    serverMac = net::auth::serverMac(admission_.token, admission_.challenge, nonce);
+  }
   if (r.getProtocol() != wire::kProtocolVersion) {
+    fatalKind_ = wire::Error::Kind::VERSION;
     fatal = "version mismatch: client speaks rgpu protocol " + std::to_string(r.getProtocol()) +
             ", this server speaks " + std::to_string(wire::kProtocolVersion);
+    return;
+  }
+  if (++ctx_.greetedSessions > ctx_.maxSessions) {
+    --ctx_.greetedSessions;
+    fatal = "rgpu-opserver is serving its limit of " + std::to_string(ctx_.maxSessions) +
+            " sessions (--max-connections); try again later";
     return;
   }
   greeted_ = true;

@@ -40,6 +40,11 @@ public:
   std::shared_ptr<const Plan> define(const ir::Hash128 &hash, ir::Graph graph, std::string &error);
 
   std::atomic<uint64_t> planBuilds{0}, graphRuns{0}, compiledRuns{0}, sessions{0};
+  /// Sessions whose Hello was accepted, and how many may be at once (--max-connections).
+  std::atomic<uint64_t> greetedSessions{0};
+  uint64_t maxSessions = 256;
+  /// The server's connection counters, kept by the I/O loop, for rgpu.server_stats().
+  std::atomic<uint64_t> connectionsOpen{0}, connectionsRefused{0};
   size_t graphsCached();
 
 private:
@@ -56,15 +61,28 @@ struct FrameOutcome {
   bool close = false; ///< The frame was malformed: close the connection after the reply.
 };
 
+/// How a session's peer proves who it is, decided by the transport it came in on.
+struct Admission {
+  /// Empty: the peer is already known (a Unix-socket peer of this server's uid). Else the
+  /// challenge sent to a TCP peer, which its Hello must answer with a MAC under \p token.
+  std::string challenge;
+  std::string token;
+};
+
 class Session {
 public:
-  Session(Context &ctx, std::string peer);
+  /// \p cancelled, if given, is set by the I/O loop when the connection ends: the commands of a
+  /// frame still being served are then dropped, not run.
+  Session(Context &ctx, std::string peer, Admission admission = {},
+          const std::atomic<bool> *cancelled = nullptr);
   ~Session();
 
   /// Executes every command of \p frame in order. This is the session's one error boundary:
   /// anything that throws while a frame is served, building its reply included, ends this
   /// session with an error naming it, and never the process.
   FrameOutcome handle(const net::Frame &frame);
+  /// The session's Hello was accepted (its peer is authenticated).
+  bool greeted() const { return greeted_; }
 
 private:
   struct Partial; // an upload arriving in chunks
@@ -73,7 +91,7 @@ private:
   /// The last reply of a session that failed in a way no command caught; closes it.
   FrameOutcome failure(const std::string &why);
 
-  void hello(wire::Hello::Reader r, std::string &fatal);
+  void hello(wire::Hello::Reader r, std::string &fatal, std::string &serverMac);
   void define(wire::Define::Reader r);
   void run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas);
   void upload(wire::Upload::Reader r);
@@ -89,7 +107,10 @@ private:
 
   Context &ctx_;
   std::string peer_;
+  Admission admission_;
+  const std::atomic<bool> *cancelled_;
   bool greeted_ = false;
+  wire::Error::Kind fatalKind_ = wire::Error::Kind::PROTOCOL;
   at::Generator generator_;
   /// Keyed by the client's handles: any 64-bit value, so not an llvm::DenseMap, which reserves
   /// two keys (session_fuzz found a Run binding ~0 corrupt it).

@@ -1,9 +1,10 @@
 //===- server/main.cpp - rgpu-opserver: the libuv loop and the CLI ---------===//
 //
-// One libuv loop does all socket I/O. Each connection is a session with its own worker thread,
-// which decodes and executes frames in order; replies come back to the loop through an async
-// handle. A slow graph therefore delays only its own session, and a malformed frame closes only
-// its own connection.
+// One libuv loop does all socket I/O. A fixed pool of worker threads executes the sessions'
+// frames, each session's in order and one frame at a time, so sessions with work take turns;
+// replies come back to the loop through an async handle. A malformed frame closes only its own
+// connection. Peers prove who they are before anything of theirs is kept: a Unix-socket peer by
+// its uid, a TCP peer by answering a challenge with the token (rgpu/net/Auth.h).
 //
 //===----------------------------------------------------------------------===//
 #include "Policy.h"
@@ -12,7 +13,12 @@
 #include <ATen/Context.h>
 #include <c10/core/DeviceType.h>
 
+#include "rgpu/net/Auth.h"
+
 #include <malloc.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <uv.h>
 #include <unistd.h>
 
@@ -20,6 +26,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <list>
 #include <system_error>
 #include <thread>
 #include <unordered_map>
@@ -36,10 +43,16 @@ Serves rgpu clients: receives lazy graphs once, runs them on this machine's devi
 options:
   --device cuda|cpu      device to run on (default: cuda if available, else cpu);
                          exits with an error if the device is unusable
-  --port N               TCP port to listen on (default 9720; 0 picks a free port,
-                         printed in the "listening on" line)
-  --bind ADDR            address to bind (default 127.0.0.1: reach it through an ssh
-                         tunnel, e.g. with rgpu-run; bind 0.0.0.0 only on a trusted network)
+  --socket PATH          the Unix-domain socket to listen on (default, when neither
+                         --port nor --bind is given: $XDG_RUNTIME_DIR/rgpu/opserver.sock,
+                         else ~/.rgpu/opserver.sock). Its directory is made private to
+                         this user, and only peers of this user's uid are served.
+  --port N               also listen on TCP port N (0 picks a free port, printed in the
+                         "listening on" line). TCP peers must prove they hold the token
+                         (a challenge answered with HMAC-SHA-256; the token never travels)
+  --bind ADDR            address for TCP (default 127.0.0.1; implies --port 9720)
+  --token-file PATH      the token TCP clients need (default $XDG_CONFIG_HOME/rgpu/token,
+                         else ~/.config/rgpu/token); created, mode 0600, if missing
   --compiler inductor|plan
                          how graphs are executed. plan runs libtorch kernels through a
                          plan of resolved operator handles. inductor (the default when
@@ -61,10 +74,17 @@ options:
   --compile-memory-mib N address space one compile may use on a CPU server (default
                          16384; not applied with CUDA, which reserves more than that)
   --max-frame-mib N      largest frame accepted from a client, in MiB (default 1024)
-  --max-connections N    connections served at once (default 256); one more gets an
-                         error frame and is closed
-  --hello-timeout S      seconds a new connection has to send its Hello before it is
-                         closed (default 10)
+  --max-connections N    sessions served at once (default 256); one more gets an error
+                         frame and is closed
+  --max-pending N        connections not yet authenticated at once (default 1024); past
+                         it the oldest of them is closed
+  --hello-timeout S      seconds a new connection has to authenticate (default 10)
+  --frame-timeout S      seconds a frame that has begun may go without a byte (default 60)
+  --max-buffered-mib N   per connection: frames read and not yet served, and replies not
+                         yet sent, in MiB (default 64); past it the server stops reading
+                         from that client until it catches up
+  --workers N            threads executing sessions' frames (default: the number of
+                         cores, at least 4)
   --max-tensor-mib N     largest tensor a graph may hold or a client may upload, in MiB
                          (default: this machine's physical memory)
   --refused-ops          list the aten ops this server refuses to run, with the reason
@@ -80,29 +100,46 @@ executor.
 
 struct Server;
 
-/// A connection's worker: executes its session's frames in order, off the loop thread.
-struct Worker {
+/// What the I/O loop and the worker pool share of one connection: its queue of frames and, once
+/// its first frame is served, its Session. At most one pool thread serves it at a time, so its
+/// frames run in order.
+struct Slot {
+  uint64_t connId = 0;
+  std::string peer;
+  Admission admission;
   std::mutex mu;
-  std::condition_variable cv;
-  std::deque<net::Frame> queue;
-  bool stopped = false;
-  std::atomic<bool> greeted{false}; ///< the session's Hello was accepted
+  std::deque<net::Frame> queue; ///< under mu
+  bool stopped = false;         ///< under mu: the connection ended; the session is to go
+  bool scheduled = false;       ///< under mu: in the pool's queue or being served
+  std::atomic<bool> cancelled{false};
+  std::atomic<bool> greeted{false};
+  std::atomic<bool> readPaused{false};
+  std::atomic<uint64_t> queuedBytes{0}; ///< of the frames in queue
+  std::atomic<uint64_t> outBytes{0};    ///< of replies posted and not yet written
+  std::unique_ptr<Session> session;     ///< touched only by the pool thread serving the slot
 };
 
 struct Connection {
-  uv_tcp_t tcp;
-  /// Closes a connection that has not said Hello in time: one that never speaks costs a
-  /// socket for a few seconds, not for ever.
-  uv_timer_t helloTimer;
-  int handlesOpen = 2; ///< tcp and helloTimer; the connection is freed when both are closed
-  uint64_t framesReceived = 0;
-  uint64_t id;
-  Server *server;
+  /// The stream: TCP or a Unix-domain socket (both begin with a uv_stream_t).
+  union {
+    uv_tcp_t tcp;
+    uv_pipe_t pipe;
+  } h;
+  /// Closes a connection that does not authenticate in time, or whose frame stalls.
+  uv_timer_t timer;
+  int handlesOpen = 2; ///< the stream and the timer; the connection is freed when both are closed
+  uint64_t id = 0;
+  uint64_t acceptedMs = 0, lastByteMs = 0;
+  Server *server = nullptr;
   net::FrameDecoder decoder;
-  std::shared_ptr<Worker> worker;
-  std::string peer;
+  std::shared_ptr<Slot> slot;
+  std::list<Connection *>::iterator unauthenticated; ///< its place in Server::waiting
+  bool waiting = false;                               ///< in Server::waiting
   bool closing = false;
+  bool reading = false;
   Connection(uint64_t maxFrame) : decoder(maxFrame) {}
+  uv_stream_t *stream() { return reinterpret_cast<uv_stream_t *>(&h); }
+  uv_handle_t *handle() { return reinterpret_cast<uv_handle_t *>(&h); }
 };
 
 struct Outgoing {
@@ -111,18 +148,52 @@ struct Outgoing {
   bool close;
 };
 
+/// One listening socket.
+struct Listener {
+  union {
+    uv_tcp_t tcp;
+    uv_pipe_t pipe;
+  } h;
+  bool isUnix = false;
+  Server *server = nullptr;
+  uv_stream_t *stream() { return reinterpret_cast<uv_stream_t *>(&h); }
+};
+
+/// The limits the I/O loop applies to each connection.
+struct ConnectionLimits {
+  uint64_t helloTimeoutMs = 10000; ///< to authenticate
+  uint64_t frameTimeoutMs = 60000; ///< between two bytes of a frame that has begun
+  uint64_t bufferedBytes = 64 << 20; ///< frames read and not yet served; replies not yet sent
+  size_t bufferedFrames = 64;
+  size_t maxWaiting = 1024; ///< unauthenticated connections at once; the oldest goes first
+  /// Frames before the Hello is accepted are small: a peer that has not proved who it is cannot
+  /// make the server buffer much.
+  uint64_t helloFrameBytes = 64 << 10;
+};
+
+void serveSlots(Server *server);
+
 struct Server {
   uv_loop_t *loop;
-  uv_tcp_t listener;
+  std::vector<std::unique_ptr<Listener>> listeners;
+  std::string socketPath; ///< removed at exit
+  std::string token;      ///< for TCP peers; empty if there is no TCP listener
   uv_async_t wake;
   uv_signal_t sigint, sigterm;
   std::unique_ptr<Context> ctx;
-  size_t maxConnections = 256;
-  uint64_t helloTimeoutMs = 10000;
+  ConnectionLimits limits;
   uint64_t nextId = 1;
   std::unordered_map<uint64_t, Connection *> conns;
+  std::list<Connection *> waiting; ///< unauthenticated connections, oldest first
+  uint64_t waitingDropped = 0, lastDropLogMs = 0;
   std::mutex outMu;
   std::deque<Outgoing> outbox;
+
+  // The worker pool: a fixed number of threads serving the slots that have frames.
+  std::mutex poolMu;
+  std::condition_variable poolCv;
+  std::deque<std::shared_ptr<Slot>> runnable;
+  std::vector<std::thread> workers;
 
   void post(Outgoing o) {
     {
@@ -131,7 +202,94 @@ struct Server {
     }
     uv_async_send(&wake);
   }
+
+  /// Queues \p slot for a pool thread if it has work (frames it may serve, or a session to end)
+  /// and is not queued already.
+  void schedule(const std::shared_ptr<Slot> &slot) {
+    {
+      std::lock_guard<std::mutex> lock(slot->mu);
+      bool work = slot->stopped ||
+                  (!slot->queue.empty() && slot->outBytes < limits.bufferedBytes);
+      if (slot->scheduled || !work)
+        return;
+      slot->scheduled = true;
+    }
+    {
+      std::lock_guard<std::mutex> lock(poolMu);
+      runnable.push_back(slot);
+    }
+    poolCv.notify_one();
+  }
+
+  void startWorkers(size_t n) {
+    for (size_t i = 0; i < n; ++i)
+      workers.emplace_back(serveSlots, this);
+  }
 };
+
+std::string errorFrame(const std::string &message, wire::Error::Kind kind) {
+  capnp::MallocMessageBuilder reply;
+  auto e = reply.initRoot<wire::ServerFrame>().initError();
+  e.setMessage(message);
+  e.setKind(kind);
+  return net::encodeFrame(reply, true);
+}
+
+/// A pool thread: serves one frame of a runnable slot at a time, then puts the slot back at the
+/// end of the queue, so that sessions with frames take turns.
+void serveSlots(Server *server) {
+  for (;;) {
+    std::shared_ptr<Slot> slot;
+    {
+      std::unique_lock<std::mutex> lock(server->poolMu);
+      server->poolCv.wait(lock, [&] { return !server->runnable.empty(); });
+      slot = std::move(server->runnable.front());
+      server->runnable.pop_front();
+    }
+    net::Frame frame;
+    bool stop = false;
+    {
+      std::lock_guard<std::mutex> lock(slot->mu);
+      if (slot->stopped) {
+        stop = true;
+      } else if (slot->queue.empty() || slot->outBytes >= server->limits.bufferedBytes) {
+        slot->scheduled = false; // its replies are unread: it waits until they are written
+        continue;
+      } else {
+        frame = std::move(slot->queue.front());
+        slot->queue.pop_front();
+      }
+    }
+    if (stop) {
+      // The session ends here, off the loop: its tensors are freed, and its memory goes back
+      // to the system, not only to this thread's malloc arena. It is never scheduled again.
+      if (slot->session) {
+        slot->session.reset();
+        malloc_trim(0);
+      }
+      continue;
+    }
+    slot->queuedBytes -= frame.bytes;
+    if (!slot->session)
+      slot->session = std::make_unique<Session>(*server->ctx, slot->peer, slot->admission,
+                                                &slot->cancelled);
+    FrameOutcome out = slot->session->handle(frame);
+    frame = net::Frame(); // its bytes go before the reply is sent
+    // Set before the reply is posted: the loop reads it when it lets larger frames in.
+    slot->greeted = slot->session->greeted();
+    if (!out.reply.empty() || out.close || slot->readPaused) {
+      slot->outBytes += out.reply.size();
+      server->post({slot->connId, std::move(out.reply), out.close});
+    }
+    {
+      std::lock_guard<std::mutex> lock(slot->mu);
+      slot->scheduled = false;
+      if (out.close)
+        slot->queue.clear();
+    }
+    server->schedule(slot);
+  }
+}
 
 /// The close callback of a connection's handles; the last one frees the connection.
 void onHandleClosed(uv_handle_t *h) {
@@ -140,160 +298,258 @@ void onHandleClosed(uv_handle_t *h) {
     delete conn;
 }
 
+void leaveWaiting(Connection *c) {
+  if (c->waiting) {
+    c->server->waiting.erase(c->unauthenticated);
+    c->waiting = false;
+  }
+}
+
 void closeConnection(Connection *c) {
   if (c->closing)
     return;
   c->closing = true;
+  Server *server = c->server;
   {
-    std::lock_guard<std::mutex> lock(c->worker->mu);
-    c->worker->stopped = true;
-    c->worker->queue.clear();
+    std::lock_guard<std::mutex> lock(c->slot->mu);
+    c->slot->stopped = true;
+    c->slot->queue.clear();
   }
-  c->worker->cv.notify_all();
-  c->server->conns.erase(c->id);
-  uv_timer_stop(&c->helloTimer);
-  uv_close(reinterpret_cast<uv_handle_t *>(&c->helloTimer), onHandleClosed);
-  uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp), onHandleClosed);
+  c->slot->cancelled = true;
+  server->schedule(c->slot); // a pool thread ends the session
+  server->conns.erase(c->id);
+  --server->ctx->connectionsOpen;
+  leaveWaiting(c);
+  uv_timer_stop(&c->timer);
+  uv_close(reinterpret_cast<uv_handle_t *>(&c->timer), onHandleClosed);
+  uv_close(c->handle(), onHandleClosed);
 }
 
-void serveSession(Server *server, uint64_t connId, const std::string &peer,
-                  const std::shared_ptr<Worker> &w) {
-  Session session(*server->ctx, peer);
-  for (;;) {
-    net::Frame frame;
-    {
-      std::unique_lock<std::mutex> lock(w->mu);
-      w->cv.wait(lock, [&] { return w->stopped || !w->queue.empty(); });
-      if (w->stopped)
-        break;
-      frame = std::move(w->queue.front());
-      w->queue.pop_front();
-    }
-    FrameOutcome out = session.handle(frame);
-    if (!out.reply.empty() || out.close)
-      server->post({connId, std::move(out.reply), out.close});
-    if (out.close)
-      break;
-    w->greeted = true; // a first frame that did not start with a Hello closed the session
-  }
-}
-
-void runWorker(Server *server, uint64_t connId, std::string peer, std::shared_ptr<Worker> w) {
-  serveSession(server, connId, peer, w);
-  // The session's memory goes back to the system, not only to this thread's malloc arena, so
-  // what a finished session allocated does not stay resident.
-  malloc_trim(0);
-}
+void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf);
 
 void onAlloc(uv_handle_t *, size_t suggested, uv_buf_t *buf) {
   buf->base = static_cast<char *>(malloc(suggested));
-  buf->len = suggested;
+  buf->len = buf->base ? suggested : 0;
+}
+
+/// Reads while the connection has room: fewer frames waiting than its limits, fewer reply bytes
+/// unsent. A peer that stops reading its replies is therefore no longer read either.
+void updateReading(Connection *c) {
+  if (c->closing)
+    return;
+  const ConnectionLimits &l = c->server->limits;
+  bool full;
+  {
+    std::lock_guard<std::mutex> lock(c->slot->mu);
+    full = c->slot->queue.size() >= l.bufferedFrames;
+  }
+  full = full || c->slot->queuedBytes >= l.bufferedBytes || c->slot->outBytes >= l.bufferedBytes;
+  c->slot->readPaused = full;
+  if (full && c->reading) {
+    uv_read_stop(c->stream());
+    c->reading = false;
+  } else if (!full && !c->reading) {
+    uv_read_start(c->stream(), onAlloc, onRead);
+    c->reading = true;
+  }
 }
 
 void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
   auto *c = static_cast<Connection *>(stream->data);
   if (n < 0) {
     if (n != UV_EOF)
-      log(c->peer + ": " + uv_strerror(n));
+      log(c->slot->peer + ": " + uv_strerror(n));
     closeConnection(c);
   } else if (n > 0 && !c->closing) {
+    c->lastByteMs = uv_now(c->server->loop);
+    bool greeted = c->slot->greeted;
+    if (greeted)
+      leaveWaiting(c);
+    c->decoder.setMaxFrameBytes(greeted ? c->server->ctx->limits().maxFrameBytes
+                                        : c->server->limits.helloFrameBytes);
     if (!c->decoder.feed(buf->base, n)) {
-      log(c->peer + ": " + c->decoder.error() + "; closing the connection");
+      log(c->slot->peer + ": " + c->decoder.error() +
+          (greeted ? "" : " (before its Hello was accepted)") + "; closing the connection");
       closeConnection(c);
     } else {
       net::Frame frame;
       bool any = false;
-      std::lock_guard<std::mutex> lock(c->worker->mu);
-      while (c->decoder.next(frame)) {
-        if (c->worker->stopped) // a refused connection: read and dropped
-          continue;
-        c->worker->queue.push_back(std::move(frame));
-        ++c->framesReceived;
-        any = true;
+      {
+        std::lock_guard<std::mutex> lock(c->slot->mu);
+        while (c->decoder.next(frame)) {
+          if (c->slot->stopped) // a refused connection: read and dropped
+            continue;
+          c->slot->queuedBytes += frame.bytes;
+          c->slot->queue.push_back(std::move(frame));
+          any = true;
+        }
       }
       if (any)
-        c->worker->cv.notify_one();
+        c->server->schedule(c->slot);
+      updateReading(c);
     }
   }
   free(buf->base);
 }
 
-void onConnection(uv_stream_t *listener, int status) {
-  auto *server = static_cast<Server *>(listener->data);
+/// Writes \p bytes to \p c; closes it afterwards if \p close.
+void write(Connection *c, std::string bytes, bool close) {
+  struct Write {
+    uv_write_t req;
+    std::string bytes;
+    Connection *conn;
+    bool close;
+  };
+  auto *w = new Write{{}, std::move(bytes), c, close};
+  uv_buf_t buf = uv_buf_init(w->bytes.data(), w->bytes.size());
+  w->req.data = w;
+  int rc = uv_write(&w->req, c->stream(), &buf, 1, [](uv_write_t *req, int) {
+    auto *w = static_cast<Write *>(req->data);
+    Connection *conn = w->conn;
+    conn->slot->outBytes -= w->bytes.size();
+    if (w->close) {
+      closeConnection(conn);
+    } else {
+      updateReading(conn);
+      conn->server->schedule(conn->slot); // a session waiting for its replies to go out
+    }
+    delete w;
+  });
+  if (rc != 0) {
+    c->slot->outBytes -= w->bytes.size();
+    delete w;
+    closeConnection(c);
+  }
+}
+
+/// Refuses \p c whole: one error frame, then the connection closes; nothing of it remains.
+void refuse(Connection *c, const std::string &why, wire::Error::Kind kind) {
+  log(c->slot->peer + ": " + why);
+  ++c->server->ctx->connectionsRefused;
+  {
+    std::lock_guard<std::mutex> lock(c->slot->mu);
+    c->slot->stopped = true;
+  }
+  std::string frame = errorFrame(why, kind);
+  c->slot->outBytes += frame.size();
+  write(c, std::move(frame), true);
+}
+
+void onTimer(uv_timer_t *t) {
+  auto *c = static_cast<Connection *>(t->data);
+  Server *server = c->server;
+  uint64_t now = uv_now(server->loop);
+  if (c->closing)
+    return;
+  if (!c->slot->greeted && now - c->acceptedMs >= server->limits.helloTimeoutMs) {
+    log(c->slot->peer + ": not authenticated within " +
+        std::to_string(server->limits.helloTimeoutMs / 1000.0).substr(0, 4) +
+        " s (--hello-timeout); closing the connection");
+    closeConnection(c);
+  } else if (c->decoder.pendingBytes() > 0 && c->reading &&
+             now - c->lastByteMs >= server->limits.frameTimeoutMs) {
+    log(c->slot->peer + ": a frame stalled with " + std::to_string(c->decoder.pendingBytes()) +
+        " bytes still to come, nothing for " +
+        std::to_string(server->limits.frameTimeoutMs / 1000.0).substr(0, 4) +
+        " s (--frame-timeout); closing the connection");
+    closeConnection(c);
+  }
+}
+
+void onConnection(uv_stream_t *stream, int status) {
+  auto *listener = static_cast<Listener *>(stream->data);
+  Server *server = listener->server;
   if (status < 0) {
     log(std::string("accept failed: ") + uv_strerror(status));
     return;
   }
-  auto *c = new Connection(server->ctx->limits().maxFrameBytes);
+  auto *c = new Connection(server->limits.helloFrameBytes);
   c->server = server;
   c->id = server->nextId++;
-  uv_tcp_init(server->loop, &c->tcp);
-  c->tcp.data = c;
-  uv_timer_init(server->loop, &c->helloTimer);
-  c->helloTimer.data = c;
-  c->worker = std::make_shared<Worker>();
-  if (uv_accept(listener, reinterpret_cast<uv_stream_t *>(&c->tcp)) != 0) {
+  if (listener->isUnix)
+    uv_pipe_init(server->loop, &c->h.pipe, 0);
+  else
+    uv_tcp_init(server->loop, &c->h.tcp);
+  c->handle()->data = c;
+  uv_timer_init(server->loop, &c->timer);
+  c->timer.data = c;
+  c->slot = std::make_shared<Slot>();
+  c->slot->connId = c->id;
+  if (uv_accept(stream, c->stream()) != 0) {
     c->closing = true;
-    uv_close(reinterpret_cast<uv_handle_t *>(&c->helloTimer), onHandleClosed);
-    uv_close(reinterpret_cast<uv_handle_t *>(&c->tcp), onHandleClosed);
+    uv_close(reinterpret_cast<uv_handle_t *>(&c->timer), onHandleClosed);
+    uv_close(c->handle(), onHandleClosed);
     return;
   }
-  uv_tcp_nodelay(&c->tcp, 1);
-  sockaddr_storage addr{};
-  int len = sizeof addr;
-  char host[64] = "?";
-  if (uv_tcp_getpeername(&c->tcp, reinterpret_cast<sockaddr *>(&addr), &len) == 0) {
-    if (addr.ss_family == AF_INET)
-      uv_ip4_name(reinterpret_cast<sockaddr_in *>(&addr), host, sizeof host);
-    else
-      uv_ip6_name(reinterpret_cast<sockaddr_in6 *>(&addr), host, sizeof host);
-  }
-  c->peer = std::string("session ") + std::to_string(c->id) + " (" + host + ")";
-  bool full = server->conns.size() >= server->maxConnections;
+  c->acceptedMs = c->lastByteMs = uv_now(server->loop);
   server->conns[c->id] = c;
+  ++server->ctx->connectionsOpen;
   std::string refusal;
-  if (full) {
-    refusal = "rgpu-opserver is serving its limit of " + std::to_string(server->maxConnections) +
-              " connections (--max-connections); try again later";
+  wire::Error::Kind kind = wire::Error::Kind::AUTH;
+  if (listener->isUnix) {
+    ucred cred{};
+    socklen_t len = sizeof cred;
+    uv_os_fd_t fd = -1;
+    bool known = uv_fileno(c->handle(), &fd) == 0 &&
+                 getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0;
+    c->slot->peer = "session " + std::to_string(c->id) + " (uid " +
+                    (known ? std::to_string(cred.uid) : std::string("?")) + ")";
+    if (!known || cred.uid != geteuid())
+      refusal = "rgpu-opserver serves only its own user (uid " + std::to_string(geteuid()) +
+                "); this connection comes from " +
+                (known ? "uid " + std::to_string(cred.uid) : std::string("an unknown user"));
   } else {
-    try {
-      std::thread(runWorker, server, c->id, c->peer, c->worker).detach();
-    } catch (const std::system_error &e) {
-      refusal = std::string("rgpu-opserver cannot start a session now (") + e.what() +
-                "); try again later";
+    uv_tcp_nodelay(&c->h.tcp, 1);
+    sockaddr_storage addr{};
+    int len = sizeof addr;
+    char host[64] = "?";
+    if (uv_tcp_getpeername(&c->h.tcp, reinterpret_cast<sockaddr *>(&addr), &len) == 0) {
+      if (addr.ss_family == AF_INET)
+        uv_ip4_name(reinterpret_cast<sockaddr_in *>(&addr), host, sizeof host);
+      else
+        uv_ip6_name(reinterpret_cast<sockaddr_in6 *>(&addr), host, sizeof host);
     }
+    c->slot->peer = "session " + std::to_string(c->id) + " (" + host + ")";
+    c->slot->admission = {net::auth::randomBytes(net::auth::kNonceBytes), server->token};
   }
-  if (!refusal.empty()) {
-    // Refused whole: one error frame, then the connection closes; nothing of it remains.
-    log(c->peer + ": " + refusal);
-    c->worker->stopped = true;
-    capnp::MallocMessageBuilder reply;
-    auto e = reply.initRoot<wire::ServerFrame>().initError();
-    e.setMessage(refusal);
-    e.setKind(wire::Error::Kind::PROTOCOL);
-    server->post({c->id, net::encodeFrame(reply, true), true});
-  }
-  uv_timer_start(
-      &c->helloTimer,
-      [](uv_timer_t *t) {
-        auto *conn = static_cast<Connection *>(t->data);
-        if (conn->worker->greeted || conn->closing)
-          return;
-        if (conn->framesReceived > 0 || conn->decoder.pendingBytes() > 0) {
-          // Its first frame is arriving or being served (a slow link, a large first frame):
-          // look again later rather than cut a client off mid-Hello.
-          uv_timer_start(t, t->timer_cb, conn->server->helloTimeoutMs, 0);
-          return;
-        }
-        log(conn->peer + ": no Hello within " +
-            std::to_string(conn->server->helloTimeoutMs / 1000.0).substr(0, 4) +
-            " s; closing the connection");
-        closeConnection(conn);
-      },
-      server->helloTimeoutMs, 0);
-  // A refused connection is read too (its worker is stopped, so nothing is kept): closing a
+  uv_timer_start(&c->timer, onTimer,
+                 std::clamp<uint64_t>(std::min(server->limits.helloTimeoutMs,
+                                               server->limits.frameTimeoutMs) / 4, 50, 1000),
+                 std::clamp<uint64_t>(std::min(server->limits.helloTimeoutMs,
+                                               server->limits.frameTimeoutMs) / 4, 50, 1000));
+  // A refused connection is read too (its slot is stopped, so nothing is kept): closing a
   // socket with unread bytes would reset it before the client reads the error frame.
-  uv_read_start(reinterpret_cast<uv_stream_t *>(&c->tcp), onAlloc, onRead);
+  c->reading = true;
+  uv_read_start(c->stream(), onAlloc, onRead);
+  if (!refusal.empty()) {
+    refuse(c, refusal, kind);
+    return;
+  }
+  // Unauthenticated connections are bounded: past the limit the oldest one goes, so a flood
+  // of idle peers delays a real client by no more than its own handshake.
+  if (server->waiting.size() >= server->limits.maxWaiting) {
+    Connection *oldest = server->waiting.front();
+    ++server->waitingDropped;
+    uint64_t now = uv_now(server->loop);
+    if (now - server->lastDropLogMs >= 1000) {
+      log(std::to_string(server->waitingDropped) + " unauthenticated connection(s) closed to "
+          "stay within " + std::to_string(server->limits.maxWaiting) + " (--max-pending)");
+      server->lastDropLogMs = now;
+      server->waitingDropped = 0;
+    }
+    closeConnection(oldest);
+  }
+  c->unauthenticated = server->waiting.insert(server->waiting.end(), c);
+  c->waiting = true;
+  if (!c->slot->admission.challenge.empty()) {
+    capnp::MallocMessageBuilder b;
+    const std::string &nonce = c->slot->admission.challenge;
+    b.initRoot<wire::ServerFrame>().initChallenge().setNonce(
+        kj::arrayPtr(reinterpret_cast<const kj::byte *>(nonce.data()), nonce.size()));
+    std::string frame = net::encodeFrame(b, true);
+    c->slot->outBytes += frame.size();
+    write(c, std::move(frame), false);
+  }
 }
 
 void onWake(uv_async_t *handle) {
@@ -308,36 +564,83 @@ void onWake(uv_async_t *handle) {
     if (it == server->conns.end())
       continue;
     Connection *c = it->second;
-    if (!o.bytes.empty()) {
-      struct Write {
-        uv_write_t req;
-        std::string bytes;
-        Connection *conn;
-        bool close;
-      };
-      auto *w = new Write{{}, std::move(o.bytes), c, o.close};
-      uv_buf_t buf = uv_buf_init(w->bytes.data(), w->bytes.size());
-      w->req.data = w;
-      uv_write(&w->req, reinterpret_cast<uv_stream_t *>(&c->tcp), &buf, 1,
-               [](uv_write_t *req, int) {
-                 auto *w = static_cast<Write *>(req->data);
-                 if (w->close)
-                   closeConnection(w->conn);
-                 delete w;
-               });
-    } else if (o.close) {
+    if (c->slot->greeted)
+      leaveWaiting(c);
+    if (!o.bytes.empty())
+      write(c, std::move(o.bytes), o.close);
+    else if (o.close)
       closeConnection(c);
-    }
+    else
+      updateReading(c); // a frame was served: room to read again, perhaps
   }
 }
 
 void onSignal(uv_signal_t *handle, int signum) {
   log(std::string("received ") + (signum == SIGINT ? "SIGINT" : "SIGTERM") + ", shutting down");
+  auto *server = static_cast<Server *>(handle->data);
   // Sessions hold only in-memory state. Compiles in flight are killed and their temporary files
   // removed, so the cache holds only whole artifacts.
-  if (Compiler *c = static_cast<Server *>(handle->data)->ctx->compiler())
+  if (Compiler *c = server->ctx->compiler())
     c->shutdown();
+  if (!server->socketPath.empty())
+    unlink(server->socketPath.c_str());
   std::_Exit(0);
+}
+
+/// Listens on the Unix-domain socket \p path, in a directory only this user can open. A socket
+/// left by a server that died is replaced; one that answers belongs to a live server.
+std::string listenUnix(Server &server, const std::string &path) {
+  std::string error;
+  std::string dir = path.substr(0, path.rfind('/'));
+  if (!dir.empty() && !net::auth::ensurePrivateDir(dir, error))
+    return "cannot listen on " + path + ": " + error;
+  struct stat st;
+  if (lstat(path.c_str(), &st) == 0) {
+    net::Socket probe;
+    std::string ignored;
+    if (!S_ISSOCK(st.st_mode))
+      return "cannot listen on " + path + ": it exists and is not a socket";
+    if (probe.connectUnix(path, ignored))
+      return "another rgpu-opserver is listening on " + path;
+    unlink(path.c_str());
+  }
+  auto l = std::make_unique<Listener>();
+  l->isUnix = true;
+  l->server = &server;
+  uv_pipe_init(server.loop, &l->h.pipe, 0);
+  l->h.pipe.data = l.get();
+  int rc = uv_pipe_bind(&l->h.pipe, path.c_str());
+  if (rc == 0) {
+    chmod(path.c_str(), 0600);
+    rc = uv_listen(l->stream(), 511, onConnection);
+  }
+  if (rc != 0)
+    return "cannot listen on " + path + ": " + uv_strerror(rc);
+  server.socketPath = path;
+  server.listeners.push_back(std::move(l));
+  return "";
+}
+
+/// Listens on TCP \p bind:\p port; \p bound gets the port (for --port 0).
+std::string listenTcp(Server &server, const std::string &bind, int port, int &bound) {
+  sockaddr_storage addr{};
+  if (uv_ip4_addr(bind.c_str(), port, reinterpret_cast<sockaddr_in *>(&addr)) != 0 &&
+      uv_ip6_addr(bind.c_str(), port, reinterpret_cast<sockaddr_in6 *>(&addr)) != 0)
+    return "--bind " + bind + ": not an IP address";
+  auto l = std::make_unique<Listener>();
+  l->server = &server;
+  uv_tcp_init(server.loop, &l->h.tcp);
+  l->h.tcp.data = l.get();
+  int rc = uv_tcp_bind(&l->h.tcp, reinterpret_cast<sockaddr *>(&addr), 0);
+  if (rc == 0)
+    rc = uv_listen(l->stream(), 511, onConnection);
+  if (rc != 0)
+    return "cannot listen on " + bind + ":" + std::to_string(port) + ": " + uv_strerror(rc);
+  int len = sizeof addr;
+  uv_tcp_getsockname(&l->h.tcp, reinterpret_cast<sockaddr *>(&addr), &len);
+  bound = ntohs(reinterpret_cast<sockaddr_in *>(&addr)->sin_port);
+  server.listeners.push_back(std::move(l));
+  return "";
 }
 
 std::string defaultCacheDir() {
@@ -355,14 +658,16 @@ int fail(const std::string &message) {
 } // namespace
 
 int main(int argc, char **argv) {
-  std::string device, bind = "127.0.0.1", compiler;
+  std::string device, bind, compiler, socketPath, tokenPath;
   CompilerOptions compile;
   const char *python = std::getenv("RGPU_PYTHON");
-  int port = 9720;
+  int port = -1;
   wire::Limits limits;
+  ConnectionLimits conn;
   size_t maxConnections = 256;
-  uint64_t helloTimeoutMs = 10000;
+  size_t workers = std::max(4u, std::thread::hardware_concurrency());
   limits.maxTensorBytes = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
+  auto seconds = [](const std::string &v) { return uint64_t(std::max(0.05, std::stod(v)) * 1000); };
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -386,6 +691,12 @@ int main(int argc, char **argv) {
         port = std::stoi(value());
       } else if (a == "--bind") {
         bind = value();
+      } else if (a == "--socket") {
+        socketPath = value();
+        if (socketPath.empty() || socketPath[0] != '/')
+          return fail("--socket needs an absolute path");
+      } else if (a == "--token-file") {
+        tokenPath = value();
       } else if (a == "--compiler") {
         compiler = value();
       } else if (a == "--cache-dir") {
@@ -408,9 +719,17 @@ int main(int argc, char **argv) {
       } else if (a == "--compile-memory-mib") {
         compile.memoryMiB = std::max(256, std::stoi(value()));
       } else if (a == "--hello-timeout") {
-        helloTimeoutMs = uint64_t(std::max(0.05, std::stod(value())) * 1000);
+        conn.helloTimeoutMs = seconds(value());
+      } else if (a == "--frame-timeout") {
+        conn.frameTimeoutMs = seconds(value());
       } else if (a == "--max-connections") {
         maxConnections = std::max(1, std::stoi(value()));
+      } else if (a == "--max-pending") {
+        conn.maxWaiting = std::max(1, std::stoi(value()));
+      } else if (a == "--max-buffered-mib") {
+        conn.bufferedBytes = std::max<uint64_t>(1, std::stoull(value())) << 20;
+      } else if (a == "--workers") {
+        workers = std::max(1, std::stoi(value()));
       } else if (a == "--max-tensor-mib") {
         limits.maxTensorBytes = std::stoull(value()) << 20;
       } else if (a == "--max-frame-mib") {
@@ -439,6 +758,25 @@ int main(int argc, char **argv) {
     return fail("unknown device '" + device + "': use --device cuda or --device cpu");
   if (device == "cuda" && !cuda)
     return fail("--device cuda: no usable CUDA device on this machine (use --device cpu)");
+  // TCP only when asked for; the Unix socket when asked for or when nothing else is.
+  bool tcp = port >= 0 || !bind.empty();
+  if (port < 0)
+    port = 9720;
+  if (bind.empty())
+    bind = "127.0.0.1";
+  if (socketPath.empty() && !tcp)
+    socketPath = net::auth::defaultSocketPath();
+
+  // Large buffers (frames, staged tensors) are mapped on their own and unmapped when freed. The
+  // pool's threads each have a malloc arena, and glibc's default threshold rises after a large
+  // free, which left a hostile session's frames resident in arenas after it ended.
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
+  // Every connection is a descriptor: take what the hard limit allows.
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
 
   Server server;
   at::Device dev(device == "cuda" ? at::kCUDA : at::kCPU, device == "cuda" ? 0 : -1);
@@ -452,23 +790,31 @@ int main(int argc, char **argv) {
     inductor = std::make_unique<Compiler>(compile, dev);
   }
   server.ctx = std::make_unique<Context>(dev, limits, std::move(inductor));
-  server.maxConnections = maxConnections;
-  server.helloTimeoutMs = helloTimeoutMs;
+  server.ctx->maxSessions = maxConnections;
+  server.limits = conn;
   server.loop = uv_default_loop();
-  uv_tcp_init(server.loop, &server.listener);
-  server.listener.data = &server;
-  sockaddr_storage addr{};
-  if (uv_ip4_addr(bind.c_str(), port, reinterpret_cast<sockaddr_in *>(&addr)) != 0 &&
-      uv_ip6_addr(bind.c_str(), port, reinterpret_cast<sockaddr_in6 *>(&addr)) != 0)
-    return fail("--bind " + bind + ": not an IP address");
-  int rc = uv_tcp_bind(&server.listener, reinterpret_cast<sockaddr *>(&addr), 0);
-  if (rc == 0)
-    rc = uv_listen(reinterpret_cast<uv_stream_t *>(&server.listener), 128, onConnection);
-  if (rc != 0)
-    return fail("cannot listen on " + bind + ":" + std::to_string(port) + ": " + uv_strerror(rc));
-  int len = sizeof addr;
-  uv_tcp_getsockname(&server.listener, reinterpret_cast<sockaddr *>(&addr), &len);
-  int bound = ntohs(reinterpret_cast<sockaddr_in *>(&addr)->sin_port);
+  std::string where, tokenNote;
+  if (tcp) {
+    if (tokenPath.empty())
+      tokenPath = net::auth::defaultTokenPath();
+    std::string error;
+    bool created = false;
+    if (!net::auth::loadOrCreateToken(tokenPath, server.token, created, error))
+      return fail(error + " (TCP clients are let in by this token; see --token-file)");
+    int bound = 0;
+    if (std::string e = listenTcp(server, bind, port, bound); !e.empty())
+      return fail(e);
+    where = bind + ":" + std::to_string(bound);
+    tokenNote = std::string(created ? "created the token file " : "TCP clients need the token in ") +
+                tokenPath + " (fingerprint " + net::auth::fingerprint(server.token) +
+                "): `rgpu-run --host` fetches it over ssh; elsewhere set RGPU_TOKEN or "
+                "RGPU_TOKEN_FILE";
+  }
+  if (!socketPath.empty()) {
+    if (std::string e = listenUnix(server, socketPath); !e.empty())
+      return fail(e);
+    where += (where.empty() ? "unix:" : " and unix:") + socketPath;
+  }
   uv_async_init(server.loop, &server.wake, onWake);
   server.wake.data = &server;
   uv_signal_init(server.loop, &server.sigint);
@@ -476,8 +822,15 @@ int main(int argc, char **argv) {
   uv_signal_init(server.loop, &server.sigterm);
   server.sigint.data = server.sigterm.data = &server;
   uv_signal_start(&server.sigterm, onSignal, SIGTERM);
-  log("listening on " + bind + ":" + std::to_string(bound) + ", device " +
-      server.ctx->device().str() + ", compiler " + compiler +
-      (compiler == "inductor" ? ", cache " + compile.cacheDir : ""));
+  try {
+    server.startWorkers(workers);
+  } catch (const std::system_error &e) {
+    return fail(std::string("cannot start the worker threads: ") + e.what());
+  }
+  log("listening on " + where + ", device " + server.ctx->device().str() + ", compiler " +
+      compiler + (compiler == "inductor" ? ", cache " + compile.cacheDir : "") + ", " +
+      std::to_string(workers) + " workers");
+  if (!tokenNote.empty())
+    log(tokenNote);
   return uv_run(server.loop, UV_RUN_DEFAULT);
 }

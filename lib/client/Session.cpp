@@ -1,4 +1,5 @@
 #include "rgpu/client/Session.h"
+#include "rgpu/net/Auth.h"
 
 #include "rgpu/bridge/Bridge.h"
 #include "rgpu/wire/Cache.h"
@@ -10,6 +11,7 @@
 #include <ctime>
 #include <cstring>
 #include <random>
+#include <unistd.h>
 
 namespace rgpu::client {
 
@@ -66,7 +68,7 @@ std::string Session::server() const {
   if (!address_.empty())
     return address_;
   const char *env = std::getenv("RGPU_OPSERVER");
-  return env && *env ? env : "127.0.0.1:9720";
+  return env && *env ? env : "unix:" + net::auth::defaultSocketPath();
 }
 
 void Session::log(int level, const std::string &message) {
@@ -554,25 +556,152 @@ void Session::lose(const std::string &why) {
   raise(ErrorKind::SessionLost, lostReason_);
 }
 
+namespace {
+
+std::string bytesOf(capnp::Data::Reader d) {
+  return std::string(reinterpret_cast<const char *>(d.begin()), d.size());
+}
+
+kj::ArrayPtr<const kj::byte> dataOf(const std::string &s) {
+  return kj::arrayPtr(reinterpret_cast<const kj::byte *>(s.data()), s.size());
+}
+
+/// The token for a TCP server and where it came from: RGPU_TOKEN, else the file named by
+/// RGPU_TOKEN_FILE, else the default token file. \p why says what was looked at when none is
+/// found (or the file is unusable).
+bool findToken(std::string &token, std::string &source, std::string &why) {
+  if (const char *t = std::getenv("RGPU_TOKEN"); t && *t) {
+    token = t;
+    source = "RGPU_TOKEN";
+    return true;
+  }
+  const char *file = std::getenv("RGPU_TOKEN_FILE");
+  std::string path = file && *file ? file : net::auth::defaultTokenPath();
+  source = (file && *file ? "RGPU_TOKEN_FILE=" : "the token file ") + path;
+  if (!file && ::access(path.c_str(), F_OK) != 0) {
+    why = "RGPU_TOKEN and RGPU_TOKEN_FILE are unset, and " + path + " does not exist";
+    return false;
+  }
+  std::string error;
+  if (!net::auth::readToken(path, token, error)) {
+    why = error;
+    return false;
+  }
+  return true;
+}
+
+const char *kTokenHelp =
+    "rgpu-opserver prints where its token is when it starts (by default ~/.config/rgpu/token "
+    "on its host); copy that file here (mode 0600) or set RGPU_TOKEN to its contents, or use "
+    "`rgpu-run --host`, which reaches the server's own socket over ssh and needs no token";
+
+} // namespace
+
 void Session::connect() {
   address_ = server();
-  std::string host;
-  int port = 0;
-  if (!net::parseHostPort(address_, host, port))
-    raise(ErrorKind::SessionLost,
-          "RGPU_OPSERVER='" + address_ + "' is not host:port (e.g. 127.0.0.1:9720)");
+  net::Endpoint ep;
+  if (!net::parseEndpoint(address_, ep))
+    raise(ErrorKind::SessionLost, "RGPU_OPSERVER='" + address_ +
+                                      "' is neither host:port (e.g. 127.0.0.1:9720) nor "
+                                      "unix:PATH (e.g. unix:" +
+                                      net::auth::defaultSocketPath() + ")");
   std::string error;
   const char *budget = std::getenv("RGPU_RECONNECT_SECONDS");
-  if (!socket_.connect(host, port, error, budget ? std::atoi(budget) : 30))
+  bool ok = ep.isUnix() ? socket_.connectUnix(ep.path, error)
+                        : socket_.connect(ep.host, ep.port, error, budget ? std::atoi(budget) : 30);
+  if (!ok)
     raise(ErrorKind::SessionLost,
-          "cannot reach rgpu-opserver at " + address_ + " (" + error +
-              "). Start one with `rgpu-opserver --port " + std::to_string(port) +
-              "` on the GPU host, or point RGPU_OPSERVER at it (see `rgpu-run --help`).");
+          "cannot reach rgpu-opserver at " + address_ + " (" + error + "). " +
+              (ep.isUnix() ? std::string("Start `rgpu-opserver` on this machine, or")
+                           : "Start one with `rgpu-opserver --port " + std::to_string(ep.port) +
+                                 "` on the GPU host, or") +
+              " point RGPU_OPSERVER at one (see `rgpu-run --help`).");
   decoder_ = std::make_unique<net::FrameDecoder>(limits_.maxFrameBytes);
-  // Hello goes first in the first frame; the frame that triggered the connection follows it.
-  Command hello;
-  hello.kind = wire::Command::HELLO;
-  queue_.insert(queue_.begin(), std::move(hello));
+  handshake(!ep.isUnix());
+}
+
+net::Frame Session::receiveHandshake(const char *what) {
+  net::Frame frame;
+  auto status = socket_.receive(*decoder_, frame, 60000);
+  if (status == net::Socket::Status::Ok)
+    return frame;
+  lose(std::string("rgpu-opserver at ") + address_ +
+       (status == net::Socket::Status::Timeout ? " sent no " : " closed the connection before its ") +
+       what + (status == net::Socket::Status::Timeout ? " within 60 s" : ""));
+}
+
+void Session::handshake(bool tcp) {
+  // Over TCP the server speaks first: a challenge, which the Hello answers with a MAC under
+  // the token (the token itself never travels). Over the Unix socket the server knows the
+  // peer's uid and sends nothing first.
+  std::string challenge, token, source, why;
+  if (tcp) {
+    net::Frame first = receiveHandshake("challenge");
+    auto reader = net::openFrame(first, limits_);
+    auto sf = reader->getRoot<wire::ServerFrame>();
+    if (sf.hasError())
+      lose("rgpu-opserver at " + address_ + " refused the connection: " +
+           std::string(sf.getError().getMessage()));
+    if (!sf.hasChallenge() || sf.getChallenge().getNonce().size() != net::auth::kNonceBytes)
+      lose("rgpu-opserver at " + address_ + " did not start with a challenge: it is not an "
+           "rgpu-opserver of this version");
+    challenge = bytesOf(sf.getChallenge().getNonce());
+    if (!findToken(token, source, why)) {
+      socket_.close();
+      lostReason_ = "rgpu-opserver at " + address_ + " needs a token over TCP, and this client "
+                    "has none (" + why + "). " + kTokenHelp + ".";
+      raise(ErrorKind::Auth, lostReason_);
+    }
+  }
+  std::string nonce = net::auth::randomBytes(net::auth::kNonceBytes);
+  capnp::MallocMessageBuilder b;
+  auto frame = b.initRoot<wire::ClientFrame>();
+  frame.setSeq(++seq_);
+  frame.setWantReply(true);
+  auto h = frame.initCommands(1)[0].initHello();
+  h.setProtocol(wire::kProtocolVersion);
+  h.setTorchVersion(bridge::torchVersion());
+  h.setSessionId(dataOf(net::auth::randomBytes(16)));
+  h.setClientNonce(dataOf(nonce));
+  if (tcp)
+    h.setAuthMac(dataOf(net::auth::clientMac(token, challenge, nonce)));
+  if (!socket_.sendAll(net::encodeFrame(b, true)))
+    lose("rgpu-opserver at " + address_ + " closed the connection before the Hello");
+  net::Frame reply = receiveHandshake("reply to the Hello");
+  auto reader = net::openFrame(reply, limits_);
+  auto sf = reader->getRoot<wire::ServerFrame>();
+  if (sf.hasError()) {
+    auto e = sf.getError();
+    std::string message = e.getMessage();
+    if (e.getKind() == wire::Error::Kind::AUTH) {
+      socket_.close();
+      raise(ErrorKind::Auth,
+            lostReason_ = "rgpu-opserver at " + address_ + " refused this client: " + message +
+                (tcp ? " (the client used " + source + ", fingerprint " +
+                           net::auth::fingerprint(token) + "; the server logs its own token's "
+                           "fingerprint when it starts). " + kTokenHelp + "."
+                     : std::string(".")));
+    }
+    lose(message);
+  }
+  if (sf.getResults().size() != 1 || sf.getResults()[0].which() != wire::Result::HELLO)
+    lose("rgpu-opserver at " + address_ + " answered the Hello with something else");
+  auto hr = sf.getResults()[0].getHello();
+  if (tcp && !net::auth::sameMac(bytesOf(hr.getServerMac()),
+                                 net::auth::serverMac(token, challenge, nonce))) {
+    socket_.close();
+    raise(ErrorKind::Auth, lostReason_ = "the server at " + address_ + " did not prove that it holds the "
+                           "token from " + source + ": it is not the rgpu-opserver you meant, "
+                           "or it has another token");
+  }
+  std::string theirs = hr.getTorchVersion();
+  if (minorOf(theirs) != minorOf(bridge::torchVersion()))
+    lose("version mismatch: this client runs torch " + bridge::torchVersion() +
+         ", rgpu-opserver at " + address_ + " runs torch " + theirs +
+         "; install the same torch minor release on both sides");
+  if (hr.getProtocol() != wire::kProtocolVersion)
+    lose("version mismatch: rgpu protocol " + std::to_string(wire::kProtocolVersion) +
+         " here, " + std::to_string(hr.getProtocol()) + " on the server");
 }
 
 std::string Session::describe(const wire::Error::Reader &e) {
@@ -603,10 +732,8 @@ Session::ServerStats Session::serverStats() {
 Session::Reply Session::flush(bool wantReply) {
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
-  if (!socket_.connected()) {
+  if (!socket_.connected())
     connect();
-    wantReply = true; // the Hello reply is checked before anything else is trusted
-  }
   if (queue_.empty() && releases_.empty() && !wantReply)
     return {};
   capnp::MallocMessageBuilder b;
@@ -619,16 +746,6 @@ Session::Reply Session::flush(bool wantReply) {
     Command &c = queue_[i];
     auto cb = cmds[i];
     switch (c.kind) {
-    case wire::Command::HELLO: {
-      auto h = cb.initHello();
-      h.setProtocol(wire::kProtocolVersion);
-      h.setTorchVersion(bridge::torchVersion());
-      std::random_device rd;
-      auto id = h.initSessionId(16);
-      for (auto &byte : id)
-        byte = rd();
-      break;
-    }
     case wire::Command::DEFINE: {
       auto d = cb.initDefine();
       wire::encodeHash(c.hash, d.initHash());
@@ -730,18 +847,6 @@ Session::Reply Session::flush(bool wantReply) {
     auto sf = reader->getRoot<wire::ServerFrame>();
     for (auto r : sf.getResults()) {
       switch (r.which()) {
-      case wire::Result::HELLO: {
-        auto h = r.getHello();
-        std::string theirs = h.getTorchVersion();
-        if (minorOf(theirs) != minorOf(bridge::torchVersion()))
-          lose("version mismatch: this client runs torch " + bridge::torchVersion() +
-               ", rgpu-opserver at " + address_ + " runs torch " + theirs +
-               "; install the same torch minor release on both sides");
-        if (h.getProtocol() != wire::kProtocolVersion)
-          lose("version mismatch: rgpu protocol " + std::to_string(wire::kProtocolVersion) +
-               " here, " + std::to_string(h.getProtocol()) + " on the server");
-        break;
-      }
       case wire::Result::DATA: {
         auto d = r.getData();
         results.data.emplace_back(reinterpret_cast<const char *>(d.begin()), d.size());

@@ -12,6 +12,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 namespace rgpu::net {
@@ -224,6 +225,27 @@ bool Socket::connect(const std::string &host, int port, std::string &error, int 
   return fd_ >= 0;
 }
 
+bool Socket::connectUnix(const std::string &path, std::string &error) {
+  close();
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path) {
+    error = "the socket path " + path + " is longer than " +
+            std::to_string(sizeof addr.sun_path - 1) + " bytes";
+    return false;
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr *>(&addr), sizeof addr) != 0) {
+    error = std::strerror(errno);
+    if (fd >= 0)
+      ::close(fd);
+    return false;
+  }
+  fd_ = fd;
+  return true;
+}
+
 bool Socket::sendAll(const std::string &data) {
   size_t off = 0;
   while (off < data.size()) {
@@ -275,6 +297,17 @@ bool parseHostPort(const std::string &text, std::string &host, int &port) {
   } catch (...) {
     return false;
   }
+}
+
+bool parseEndpoint(const std::string &text, Endpoint &out) {
+  out = Endpoint();
+  if (text.rfind("unix:", 0) == 0)
+    out.path = text.substr(5);
+  else if (!text.empty() && text[0] == '/')
+    out.path = text;
+  else
+    return parseHostPort(text, out.host, out.port);
+  return !out.path.empty();
 }
 
 } // namespace rgpu::net

@@ -75,8 +75,15 @@ struct Hello {
   protocol @0 :UInt32;
   torchVersion @1 :Text;
   sessionId @2 :Data;     # 16 random bytes chosen by the client
-  authToken @3 :Text;     # reserved; empty today
+  authMac @3 :Data;       # over TCP: net::auth::clientMac(token, challenge, clientNonce)
   resumeFrom @4 :UInt64;  # reserved for resuming; 0 starts a new session
+  clientNonce @5 :Data;   # 32 random bytes, so that the server's proof is fresh too
+}
+
+# The first frame of a TCP connection, sent by the server before it reads anything: a client
+# answers it in its Hello (authMac). Unix-socket peers are known by their uid and get none.
+struct Challenge {
+  nonce @0 :Data;         # 32 random bytes
 }
 
 struct Define {
@@ -140,6 +147,7 @@ struct Error {
     remote @0;           # an op failed; the session goes on
     protocol @1;         # the frame was malformed; the server closes the connection
     version @2;          # Hello mismatch
+    auth @3;             # the peer is not let in: no token, a wrong one, another user
   }
 }
 
@@ -148,6 +156,7 @@ struct HelloReply {
   torchVersion @1 :Text;
   device @2 :Text;
   compiler @3 :Text;
+  serverMac @4 :Data;    # over TCP: net::auth::serverMac(token, challenge, clientNonce)
 }
 
 struct Result {
@@ -193,6 +202,7 @@ struct ServerFrame {
   results @1 :List(Result);    # one per Hello, Download, Sync and replyMetas Run, in order
   error @2 :Error;             # the first error since the last reply; absent if none
   notes @3 :List(Text);        # what the server wants the user to know (compiles); logged
+  challenge @4 :Challenge;     # only in the first frame of a TCP connection
 }
 
 # A graph as kept in a graph cache directory (RGPU_CACHE_DIR on the client), one file per hash,

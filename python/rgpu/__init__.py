@@ -5,8 +5,8 @@ graph; at a sync point (``.item()``, ``.cpu()``, printing, ``torch.rgpu.synchron
 the graph is cut, hashed, shipped to ``rgpu-opserver`` once and run there. Later steps send only
 the hash, the tensor handles and the Python scalar values.
 
-The server address comes from ``RGPU_OPSERVER`` (default ``127.0.0.1:9720``) or
-``rgpu.set_server("host:port")``.
+The server address comes from ``RGPU_OPSERVER`` or ``rgpu.set_server(...)``: ``unix:PATH`` or
+``host:port``; by default the local server's own Unix socket (see ``rgpu-opserver --help``).
 """
 
 import atexit
@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "RemoteError",
     "SessionLost",
+    "AuthenticationError",
     "UnsupportedOpError",
     "compile_backend",
     "mark_step",
@@ -37,6 +38,11 @@ class RemoteError(RuntimeError):
 
 class SessionLost(RuntimeError):
     """The connection to rgpu-opserver is gone, and with it every rgpu tensor."""
+
+
+class AuthenticationError(SessionLost):
+    """rgpu-opserver did not let this client in: no token, a wrong one, or another user. The
+    message says which token was used and how to get the right one."""
 
 
 class UnsupportedOpError(RuntimeError):
@@ -61,6 +67,7 @@ from . import device as _device_module  # noqa: E402
 _C._install(
     RemoteError,
     SessionLost,
+    AuthenticationError,
     os.path.dirname(torch.__file__) + os.sep,
     os.path.dirname(__file__) + os.sep,
 )

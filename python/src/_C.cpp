@@ -20,11 +20,15 @@ namespace {
 
 PyObject *gRemoteError = nullptr;
 PyObject *gSessionLost = nullptr;
+PyObject *gAuthError = nullptr;
 std::string gSkipPrefixes[2]; // torch's and rgpu's own directories
 
 [[noreturn]] void raisePython(ErrorKind kind, const std::string &message) {
   py::gil_scoped_acquire gil;
-  PyErr_SetString(kind == ErrorKind::Remote ? gRemoteError : gSessionLost, message.c_str());
+  PyErr_SetString(kind == ErrorKind::Remote ? gRemoteError
+                  : kind == ErrorKind::Auth ? gAuthError
+                                            : gSessionLost,
+                  message.c_str());
   throw python_error();
 }
 
@@ -72,10 +76,11 @@ uint32_t userLocation() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "rgpu native client";
-  m.def("_install", [](py::object remoteError, py::object sessionLost, std::string torchDir,
-                       std::string rgpuDir) {
+  m.def("_install", [](py::object remoteError, py::object sessionLost, py::object authError,
+                       std::string torchDir, std::string rgpuDir) {
     gRemoteError = remoteError.release().ptr();
     gSessionLost = sessionLost.release().ptr();
+    gAuthError = authError.release().ptr();
     gSkipPrefixes[0] = std::move(torchDir);
     gSkipPrefixes[1] = std::move(rgpuDir);
     setErrorRaiser(&raisePython);

@@ -1,4 +1,5 @@
-"""Every Python test talks to a real rgpu-opserver on 127.0.0.1, started here on a free port."""
+"""Every Python test talks to a real rgpu-opserver, started here: on 127.0.0.1 on a free port
+(with the token the server creates in this run's own config directory), or on a Unix socket."""
 
 import os
 import re
@@ -16,6 +17,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # Tests keep their traced graphs out of the user's cache (set before any test imports rgpu).
 os.environ.setdefault("RGPU_CACHE_DIR", tempfile.mkdtemp(prefix="rgpu-test-graphs-"))
+# The servers' token and default socket live in this run's directories, never the user's: TCP
+# servers create the token there and clients find it there, as on a real host.
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="rgpu-test-config-")
+os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="rgpu-test-run-")
+for _name in ("RGPU_TOKEN", "RGPU_TOKEN_FILE", "RGPU_OPSERVER"):
+    os.environ.pop(_name, None)
 
 
 def opserver_path():
@@ -24,15 +31,19 @@ def opserver_path():
 
 
 class Server:
-    """A running rgpu-opserver; `address` is host:port."""
+    """A running rgpu-opserver; `address` is host:port, or unix:PATH when started with
+    `socket=PATH` (then it has no TCP listener unless args ask for one); `socket="default"`
+    starts it with neither --socket nor --port, on its default socket."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, socket=None, env=None):
         # Tests pick the plan executor unless they test compiling: background Inductor compiles
         # would compete for this machine's cores with every other test.
         if "--compiler" not in args:
             args = ("--compiler", "plan", *args)
+        where = [] if socket == "default" else ["--socket", socket] if socket else ["--port", "0"]
         self.proc = subprocess.Popen(
-            [opserver_path(), "--device", "cpu", "--port", "0", *args],
+            [opserver_path(), "--device", "cpu", *where, *args],
+            env=dict(os.environ, **(env or {})),
             stderr=subprocess.PIPE,
             text=True,
         )
@@ -44,9 +55,10 @@ class Server:
                 break
             self.log.append(line)
             m = re.search(r"listening on ([\d.]+):(\d+)", line)
-            if m:
-                self.address = f"{m.group(1)}:{m.group(2)}"
-                self.port = int(m.group(2))
+            u = re.search(r"listening on unix:(\S+?),", line)
+            if m or u:
+                self.address = f"{m.group(1)}:{m.group(2)}" if m else f"unix:{u.group(1)}"
+                self.port = int(m.group(2)) if m else None
                 # Keep reading its log: a full pipe would block the server's next log line.
                 threading.Thread(target=self._drain, daemon=True).start()
                 return

@@ -66,7 +66,7 @@ def test_a_connection_past_the_limit_is_refused_clearly_and_the_others_go_on():
         assert holder.stdout.readline().strip() == "2.0"
         r = run_client(server.address, "import torch, rgpu\nprint(torch.ones(2, device='rgpu').sum().item())")
         assert r.returncode != 0
-        assert "rgpu.SessionLost" in r.stderr and "its limit of 1 connections" in r.stderr, r.stderr
+        assert "rgpu.SessionLost" in r.stderr and "its limit of 1 sessions" in r.stderr, r.stderr
         out, _ = holder.communicate("\n", timeout=60)  # the session being served is unaffected
         assert out.strip() == "6.0"
         r = run_client(server.address, "import torch, rgpu\nprint(torch.ones(2, device='rgpu').sum().item())")
@@ -84,10 +84,13 @@ def test_a_connection_that_never_says_hello_is_closed_by_the_timeout():
         silent = socket.create_connection(("127.0.0.1", server.port))
         silent.settimeout(10)
         start = time.time()
-        assert silent.recv(16) == b""  # closed by the server, with nothing sent
+        got = b""
+        while chunk := silent.recv(4096):  # the challenge, then the close
+            got += chunk
+        assert got[:4] == b"RGPU" and len(got) < 200
         assert time.time() - start < 5
         r = run_client(server.address, "import torch, rgpu\nprint(torch.ones(2, device='rgpu').sum().item())")
         assert r.returncode == 0 and r.stdout.strip() == "2.0", r.stderr
-        assert any("no Hello within" in line for line in server.log), server.log
+        assert any("not authenticated within 1" in line for line in server.log), server.log
     finally:
         server.stop()

@@ -138,12 +138,16 @@ def test_rgpu_run_builds_the_ssh_tunnel_command(tmp_path):
     import rgpu_cli
 
     assert rgpu_cli.ssh_command("me@gpu", 5555, 9720, ssh_port=2222, identity="~/.ssh/k") == [
-        "ssh", "-N", "-o", "ExitOnForwardFailure=yes", "-o", "BatchMode=yes",
-        "-L", "127.0.0.1:5555:127.0.0.1:9720", "-p", "2222", "-i", "~/.ssh/k", "me@gpu"]
+        "ssh", "-o", "BatchMode=yes", "-p", "2222", "-i", "~/.ssh/k", "-N", "-o",
+        "ExitOnForwardFailure=yes", "-o", "StreamLocalBindUnlink=yes",
+        "-L", "127.0.0.1:5555:127.0.0.1:9720", "me@gpu"]
+    # The default: a private local socket forwarded to the server's own socket.
+    assert rgpu_cli.ssh_command("gpu", "/tmp/d/l.sock", "/run/user/7/rgpu/opserver.sock")[-2:] == [
+        "/tmp/d/l.sock:/run/user/7/rgpu/opserver.sock", "gpu"]
     # An ssh that fails at once: the tunnel never comes up, and ssh's message is passed on.
     fake = tmp_path / "ssh"
     fake.write_text("#!/bin/sh\necho 'ssh: Could not resolve hostname nowhere' >&2\nexit 255\n")
     fake.chmod(0o755)
     r = rgpu_run("--host", "nowhere", "--", "true", env={"PATH": f"{tmp_path}:{os.environ['PATH']}"})
     assert r.returncode == 1
-    assert "did not come up" in r.stderr and "Could not resolve hostname" in r.stderr
+    assert "cannot reach nowhere with ssh" in r.stderr and "Could not resolve hostname" in r.stderr

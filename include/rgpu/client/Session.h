@@ -33,7 +33,7 @@ struct Stats {
 
 /// How errors reach the user; the Python glue replaces the default (std::runtime_error) so that
 /// they surface as rgpu.RemoteError and rgpu.SessionLost.
-enum class ErrorKind { Remote, SessionLost };
+enum class ErrorKind { Remote, SessionLost, Auth };
 using ErrorRaiser = void (*)(ErrorKind, const std::string &);
 void setErrorRaiser(ErrorRaiser raiser);
 [[noreturn]] void raise(ErrorKind kind, const std::string &message);
@@ -187,6 +187,10 @@ private:
   Reply flush(bool wantReply);
   void connect();
   [[noreturn]] void lose(const std::string &why);
+  /// Proves who this client is (over TCP: answers the server's challenge with the token) and
+  /// checks the server's versions, before anything else is sent.
+  void handshake(bool tcp);
+  net::Frame receiveHandshake(const char *what);
   /// A download too large for one reply, one chunk per round trip.
   at::Tensor downloadInChunks(const DeviceData &data, const ir::TensorMeta &want);
   /// A CPU tensor of layout \p m holding \p bytes (which must be exactly its span).

@@ -43,6 +43,8 @@ std::unique_ptr<capnp::MessageReader> openFrame(const Frame &frame, const wire::
 class FrameDecoder {
 public:
   explicit FrameDecoder(uint64_t maxFrameBytes) : maxFrameBytes_(maxFrameBytes) {}
+  /// The limit for frames whose header is still to come.
+  void setMaxFrameBytes(uint64_t n) { maxFrameBytes_ = n; }
   /// Consumes \p n bytes; complete frames queue up for next(). False on a protocol error.
   bool feed(const char *data, size_t n);
   /// Moves the oldest complete frame into \p out; false if none is complete.
@@ -84,6 +86,8 @@ public:
   /// after about \p deadPeerSeconds: keepalive probes while waiting, a send timeout while sending.
   /// A live server busy with a long graph still answers the probes, so it is never cut off.
   bool connect(const std::string &host, int port, std::string &error, int deadPeerSeconds = 30);
+  /// Connects to the Unix-domain socket at \p path.
+  bool connectUnix(const std::string &path, std::string &error);
   bool connected() const { return fd_ >= 0; }
   void close();
   /// Sends all of \p data; false if the peer is gone.
@@ -97,5 +101,16 @@ private:
 
 /// Splits "host:port"; false if malformed.
 bool parseHostPort(const std::string &text, std::string &host, int &port);
+
+/// Where a server listens: a Unix-domain socket ("unix:PATH" or an absolute path) or TCP
+/// ("host:port").
+struct Endpoint {
+  std::string path; ///< the socket's path; empty for TCP
+  std::string host;
+  int port = 0;
+  bool isUnix() const { return !path.empty(); }
+};
+/// Parses \p text into \p out; false if it is neither form.
+bool parseEndpoint(const std::string &text, Endpoint &out);
 
 } // namespace rgpu::net

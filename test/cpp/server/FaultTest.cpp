@@ -1,5 +1,6 @@
-// A real rgpu-opserver process fed bad input over TCP: each bad peer gets an error or a closed
-// connection, the server stays up, and a well-behaved session alongside it keeps computing.
+// A real rgpu-opserver process fed bad input over its Unix socket (peers of the test's own uid,
+// so authenticated): each bad peer gets an error or a closed connection, the server stays up,
+// and a well-behaved session alongside it keeps computing.
 #include "rgpu/net/Frame.h"
 #include "rgpu/wire/Wire.h"
 
@@ -11,7 +12,6 @@
 #include <csignal>
 #include <cstring>
 #include <optional>
-#include <regex>
 #include <thread>
 #include <fcntl.h>
 #include <sys/wait.h>
@@ -23,33 +23,30 @@ namespace {
 
 struct ServerProcess {
   pid_t pid = -1;
-  int port = 0;
+  std::string socket;
 
   ServerProcess() {
+    char dir[] = "/tmp/rgpu-fault-XXXXXX";
     int fds[2];
-    if (pipe(fds) != 0)
+    if (!mkdtemp(dir) || pipe(fds) != 0)
       return;
+    socket = std::string(dir) + "/opserver.sock";
     pid = fork();
     if (pid == 0) {
       dup2(fds[1], 2);
       close(fds[0]);
       int null = open("/dev/null", O_WRONLY);
       dup2(null, 1);
-      execl(RGPU_OPSERVER_PATH, RGPU_OPSERVER_PATH, "--device", "cpu", "--port", "0",
-            "--max-frame-mib", "64", nullptr);
+      execl(RGPU_OPSERVER_PATH, RGPU_OPSERVER_PATH, "--device", "cpu", "--socket",
+            socket.c_str(), "--max-frame-mib", "64", nullptr);
       _exit(127);
     }
     close(fds[1]);
     FILE *err = fdopen(fds[0], "r");
     char line[512];
-    std::regex listening("listening on [0-9.]+:([0-9]+)");
-    while (fgets(line, sizeof line, err)) {
-      std::cmatch m;
-      if (std::regex_search(line, m, listening)) {
-        port = std::stoi(m[1]);
+    while (fgets(line, sizeof line, err))
+      if (std::strstr(line, "listening on unix:"))
         break;
-      }
-    }
     // Keep draining the log so the server never blocks on a full pipe (RGPU_TEST_SERVER_LOG=1
     // shows it).
     std::thread([err] {
@@ -65,6 +62,8 @@ struct ServerProcess {
     if (pid > 0) {
       kill(pid, SIGKILL);
       waitpid(pid, nullptr, 0);
+      unlink(socket.c_str());
+      rmdir(socket.substr(0, socket.rfind('/')).c_str());
     }
   }
   bool alive() const { return pid > 0 && waitpid(pid, nullptr, WNOHANG) == 0; }
@@ -115,7 +114,7 @@ class Peer {
 public:
   Peer() : decoder_(wire::Limits().maxFrameBytes) {
     std::string error;
-    EXPECT_TRUE(socket_.connect("127.0.0.1", server().port, error)) << error;
+    EXPECT_TRUE(socket_.connectUnix(server().socket, error)) << error;
   }
 
   bool sendRaw(const std::string &bytes) { return socket_.sendAll(bytes); }

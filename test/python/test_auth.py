@@ -1,0 +1,237 @@
+"""Who gets a session: the owner over the Unix socket, holders of the token over TCP, nobody
+else; and what an unauthenticated flood costs the server."""
+
+import os
+import resource
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import Server, run_client
+
+TINY = "import torch, rgpu\nprint(torch.arange(4., device='rgpu').pow(2).sum().item())"
+
+
+def rss_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return -1
+
+
+def test_the_default_unix_socket_needs_no_flags_and_no_token(tmp_path):
+    server = Server(socket="default")
+    try:
+        assert server.address == "unix:" + os.path.join(os.environ["XDG_RUNTIME_DIR"], "rgpu",
+                                                        "opserver.sock")
+        sock_dir = os.path.dirname(server.address[5:])
+        assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o700
+        # No RGPU_OPSERVER and no token anywhere: the client finds the socket by itself.
+        env = {k: v for k, v in os.environ.items() if k != "RGPU_OPSERVER"}
+        env["XDG_CONFIG_HOME"] = str(tmp_path / "no-config")
+        r = subprocess.run([sys.executable, "-c", TINY], env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "14.0", r.stderr
+        # A second server cannot take over a live socket.
+        second = subprocess.run([os.path.join(os.path.dirname(sys.executable), "rgpu-opserver"),
+                                 "--device", "cpu", "--compiler", "plan"],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0 and "another rgpu-opserver is listening" in second.stderr
+    finally:
+        server.stop()
+
+
+def test_tcp_needs_the_token_and_says_which_one_it_used(tmp_path):
+    server = Server()  # TCP: its token is in this run's XDG_CONFIG_HOME, where clients look
+    try:
+        token_file = os.path.join(os.environ["XDG_CONFIG_HOME"], "rgpu", "token")
+        assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
+        assert any(token_file in line and "fingerprint" in line for line in server.log)
+        token = open(token_file).read().strip()
+
+        r = run_client(server.address, TINY)  # the default token file
+        assert r.returncode == 0 and r.stdout.strip() == "14.0", r.stderr
+        r = run_client(server.address, TINY, env={"RGPU_TOKEN": token,
+                                                  "XDG_CONFIG_HOME": str(tmp_path)})
+        assert r.returncode == 0 and r.stdout.strip() == "14.0", r.stderr
+
+        r = run_client(server.address, TINY, env={"XDG_CONFIG_HOME": str(tmp_path)})
+        assert r.returncode != 0 and "rgpu.AuthenticationError" in r.stderr
+        assert "needs a token" in r.stderr and "RGPU_TOKEN" in r.stderr, r.stderr
+
+        r = run_client(server.address, TINY, env={"RGPU_TOKEN": "not-the-token-at-all"})
+        assert r.returncode != 0 and "rgpu.AuthenticationError" in r.stderr
+        assert "not this server's" in r.stderr and "the client used RGPU_TOKEN" in r.stderr
+        assert "fingerprint" in r.stderr, r.stderr
+
+        other = tmp_path / "token"
+        other.write_text("another-token-of-32-characters!!\n")
+        other.chmod(0o644)
+        r = run_client(server.address, TINY, env={"RGPU_TOKEN_FILE": str(other)})
+        assert r.returncode != 0 and "can be read by other users" in r.stderr, r.stderr
+        other.chmod(0o600)
+        r = run_client(server.address, TINY, env={"RGPU_TOKEN_FILE": str(other)})
+        assert r.returncode != 0 and f"RGPU_TOKEN_FILE={other}" in r.stderr, r.stderr
+        assert server.alive()
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_user_on_the_unix_socket_is_refused(tmp_path):
+    path = tmp_path / "sock" / "opserver.sock"
+    server = Server(socket=str(path))
+    try:
+        # Open the way a careless admin might; the uid check still holds.
+        os.chmod(tmp_path, 0o755)
+        os.chmod(path.parent, 0o755)
+        os.chmod(path, 0o777)
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        os.chown(cache, 65534, 65534)
+
+        def as_nobody():
+            os.setgid(65534)
+            os.setuid(65534)
+
+        try:
+            r = subprocess.run([sys.executable, "-c", TINY], preexec_fn=as_nobody,
+                               env=dict(os.environ, RGPU_OPSERVER=server.address,
+                                        HOME=str(cache), RGPU_CACHE_DIR=str(cache)),
+                               capture_output=True, text=True, timeout=120)
+        except PermissionError:
+            pytest.skip("this Python cannot be run by uid 65534")
+        assert r.returncode != 0 and "rgpu.AuthenticationError" in r.stderr, r.stderr
+        assert "serves only its own user" in r.stderr and "uid 65534" in r.stderr, r.stderr
+        r = run_client(server.address, TINY)
+        assert r.returncode == 0 and r.stdout.strip() == "14.0", r.stderr
+    finally:
+        server.stop()
+
+
+def test_a_large_header_before_authentication_is_refused_at_once():
+    server = Server()
+    try:
+        before = rss_mib(server.proc.pid)
+        peer = socket.create_connection(("127.0.0.1", server.port))
+        peer.settimeout(10)
+        header = b"RGPU" + (0).to_bytes(4, "little") + (1 << 30).to_bytes(8, "little")
+        peer.sendall(header)
+        start = time.time()
+        while peer.recv(4096):  # the challenge, then the close
+            pass
+        assert time.time() - start < 2
+        assert rss_mib(server.proc.pid) - before < 16
+        assert any("before its Hello was accepted" in line for line in server.log), server.log
+    finally:
+        server.stop()
+
+
+def test_two_thousand_idle_connections_cost_little_and_time_out():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2200:
+        pytest.skip("needs 2200 descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2200), hard))
+    server = Server("--hello-timeout", "4")
+    idle = []
+    try:
+        before = rss_mib(server.proc.pid)
+        for _ in range(2000):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", server.port))
+            idle.append(s)
+        time.sleep(0.5)
+        # A real client beside them is served promptly (timed inside the client, whose torch
+        # import is not the server's doing).
+        r = run_client(server.address,
+                       "import time, torch, rgpu\nt = time.time()\n"
+                       "v = torch.arange(4., device='rgpu').pow(2).sum().item()\n"
+                       "print(v, time.time() - t)")
+        assert r.returncode == 0, r.stderr
+        value, seconds = r.stdout.split()
+        assert value == "14.0" and float(seconds) < 2.0, r.stdout
+        grown = rss_mib(server.proc.pid) - before
+        print(f"server RSS grew {grown:.1f} MiB with 2000 idle connections")
+        assert grown < 64
+        # Every idle one is closed: by the timeout, or earlier to stay within --max-pending.
+        deadline = time.time() + 15
+        open_ = set(idle)
+        while open_ and time.time() < deadline:
+            for s in list(open_):
+                try:
+                    while True:
+                        if not s.recv(65536):
+                            open_.discard(s)
+                            break
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    open_.discard(s)
+            time.sleep(0.2)
+        assert not open_, f"{len(open_)} idle connections still open"
+        assert server.alive()
+    finally:
+        for s in idle:
+            s.close()
+        server.stop()
+
+
+def test_rgpu_run_host_reaches_the_servers_own_socket(tmp_path):
+    """rgpu-run --host end to end, with an ssh stand-in on PATH that runs the remote command
+    locally and forwards the local socket to the remote one, as `ssh -L a.sock:b.sock` does."""
+    server = Server(socket="default")
+    fake = tmp_path / "ssh"
+    fake.write_text(f"#!{sys.executable}\n" + r'''
+import os, socket, sys, threading
+args, i, forward = sys.argv[1:], 0, None
+rest = []
+while i < len(args):
+    if args[i] in ("-o", "-p", "-i"):
+        i += 2
+        continue
+    if args[i] == "-L":
+        forward = args[i + 1].split(":")
+        i += 2
+        continue
+    if args[i] == "-N":
+        i += 1
+        continue
+    rest.append(args[i])
+    i += 1
+if forward is None:
+    os.execvp("sh", ["sh", "-c", " ".join(rest[1:])])
+local, remote = forward
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(local)
+listener.listen()
+def pipe(a, b):
+    while data := a.recv(65536):
+        b.sendall(data)
+    b.shutdown(socket.SHUT_WR)
+while True:
+    c, _ = listener.accept()
+    r = socket.socket(socket.AF_UNIX)
+    r.connect(remote)
+    threading.Thread(target=pipe, args=(c, r), daemon=True).start()
+    threading.Thread(target=pipe, args=(r, c), daemon=True).start()
+''')
+    fake.chmod(0o755)
+    try:
+        env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+        env.pop("XDG_CONFIG_HOME")  # no token on this side: none is needed
+        r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "rgpu-run"),
+                            "--host", "me@gpu-host", "--", sys.executable, "-c",
+                            "import os; print(os.environ['RGPU_OPSERVER'])\n" + TINY],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        where, value = r.stdout.split()
+        assert where.startswith("unix:") and value == "14.0"
+        assert not os.path.exists(where[5:])  # the tunnel's socket is gone with it
+    finally:
+        server.stop()
