@@ -485,7 +485,6 @@ void onConnection(uv_stream_t *stream, int status) {
   server->conns[c->id] = c;
   ++server->ctx->connectionsOpen;
   std::string refusal;
-  wire::Error::Kind kind = wire::Error::Kind::AUTH;
   if (listener->isUnix) {
     ucred cred{};
     socklen_t len = sizeof cred;
@@ -512,17 +511,15 @@ void onConnection(uv_stream_t *stream, int status) {
     c->slot->peer = "session " + std::to_string(c->id) + " (" + host + ")";
     c->slot->admission = {net::auth::randomBytes(net::auth::kNonceBytes), server->token};
   }
-  uv_timer_start(&c->timer, onTimer,
-                 std::clamp<uint64_t>(std::min(server->limits.helloTimeoutMs,
-                                               server->limits.frameTimeoutMs) / 4, 50, 1000),
-                 std::clamp<uint64_t>(std::min(server->limits.helloTimeoutMs,
-                                               server->limits.frameTimeoutMs) / 4, 50, 1000));
+  const uint64_t tickMs = std::clamp<uint64_t>(
+      std::min(server->limits.helloTimeoutMs, server->limits.frameTimeoutMs) / 4, 50, 1000);
+  uv_timer_start(&c->timer, onTimer, tickMs, tickMs);
   // A refused connection is read too (its slot is stopped, so nothing is kept): closing a
   // socket with unread bytes would reset it before the client reads the error frame.
   c->reading = true;
   uv_read_start(c->stream(), onAlloc, onRead);
   if (!refusal.empty()) {
-    refuse(c, refusal, kind);
+    refuse(c, refusal, wire::Error::Kind::AUTH);
     return;
   }
   // Unauthenticated connections are bounded: past the limit the oldest one goes, so a flood
