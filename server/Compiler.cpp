@@ -12,6 +12,7 @@
 
 #include <llvm/Support/xxhash.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -34,6 +35,9 @@ namespace fs = std::filesystem;
 namespace {
 /// spawnWorker's status for a compile stopped at its deadline.
 constexpr int kTimedOut = -2;
+
+/// Graph states kept by the compiler before the oldest idle ones are forgotten.
+constexpr size_t kMaxStates = 8192;
 
 /// Bumped whenever inductor_worker.py changes what it builds from the same graph.
 constexpr const char *kWorkerFormat = "2";
@@ -173,7 +177,10 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
                                                       bool &queued) {
   queued = false;
   std::lock_guard<std::mutex> lock(mu_);
+  if (graphs_.size() > kMaxStates)
+    pruneStates();
   GraphState &g = graphs_[plan->hash];
+  g.lastUse = ++tick_;
   switch (g.state) {
   case State::Ready: return g.compiled->accepts(scalars) ? g.compiled : nullptr;
   case State::Counting:
@@ -188,6 +195,10 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
     if (stopping_ || (g.runs < (g.after ? g.after : options_.after) &&
                       !(g.runs == 1 && fs::exists(stem(plan->hash) + ".pt2"))))
       return nullptr;
+    if (queue_.size() >= options_.queueLimit) {
+      ++dropped; // tried again at its next run
+      return nullptr;
+    }
     g.state = State::Queued;
     queue_.push_back({plan, std::vector<ir::ScalarValue>(scalars.begin(), scalars.end())});
     ++pending;
@@ -235,11 +246,89 @@ void Compiler::work() {
     }
     std::string error;
     std::shared_ptr<const CompiledGraph> compiled = build(job, error);
+    std::error_code ec;
+    uint64_t bytes = compiled ? fs::file_size(stem(job.plan->hash) + ".pt2", ec) : 0;
+    if (ec)
+      bytes = 0;
     std::lock_guard<std::mutex> lock(mu_);
     GraphState &g = graphs_[job.plan->hash];
     g.compiled = compiled;
     g.state = compiled ? State::Ready : State::Failed;
+    g.bytes = bytes;
+    loadedBytes_ += bytes;
+    unloadPastLimit(job.plan->hash);
     --pending;
+  }
+}
+
+void Compiler::unloadPastLimit(const ir::Hash128 &keep) {
+  while (loadedBytes_ > options_.memoryBytes) {
+    auto victim = graphs_.end();
+    for (auto it = graphs_.begin(); it != graphs_.end(); ++it)
+      if (it->second.state == State::Ready && it->first != keep &&
+          (victim == graphs_.end() || it->second.lastUse < victim->second.lastUse))
+        victim = it;
+    if (victim == graphs_.end())
+      return;
+    GraphState &g = victim->second;
+    log("graph " + victim->first.hex().substr(0, 12) + ": inductor package unloaded, the least "
+        "recently run past --compiled-cache; it runs on its plan until it is hot again");
+    loadedBytes_ -= g.bytes;
+    g.compiled.reset(); // runs in flight hold their own reference
+    g.state = State::Counting;
+    g.runs = 0;
+    g.bytes = 0;
+    ++evictions;
+  }
+}
+
+void Compiler::pruneStates() {
+  // Graphs not run in the last kMaxStates / 2 lookups and holding nothing are forgotten: a
+  // forgotten graph that runs again starts counting again, and loads its package from disk.
+  uint64_t horizon = tick_ > kMaxStates / 2 ? tick_ - kMaxStates / 2 : 0;
+  for (auto it = graphs_.begin(); it != graphs_.end();) {
+    const GraphState &g = it->second;
+    if (g.lastUse < horizon && g.state != State::Queued && g.state != State::Ready)
+      it = graphs_.erase(it);
+    else
+      ++it;
+  }
+}
+
+void Compiler::trimDisk(const std::string &keep) {
+  struct File {
+    fs::path path;
+    fs::file_time_type used;
+    uint64_t bytes;
+  };
+  std::vector<File> packages;
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto &entry : fs::directory_iterator(options_.cacheDir + "/inductor", ec)) {
+    uint64_t bytes = entry.is_regular_file(ec) ? entry.file_size(ec) : 0;
+    if (ec)
+      continue;
+    total += bytes;
+    if (entry.path().extension() == ".pt2")
+      packages.push_back({entry.path(), entry.last_write_time(ec), bytes});
+  }
+  std::sort(packages.begin(), packages.end(),
+            [](const File &a, const File &b) { return a.used < b.used; });
+  for (const File &f : packages) {
+    if (total <= options_.diskBytes)
+      break;
+    if (f.path == keep)
+      continue;
+    std::string stem = f.path.string();
+    stem.resize(stem.size() - 4);
+    for (const char *ext : {".pt2", ".pt2.spec", ".log"}) {
+      uint64_t bytes = fs::file_size(stem + ext, ec);
+      if (!ec && fs::remove(stem + ext, ec))
+        total -= std::min(total, bytes);
+    }
+    ++diskEvictions;
+    log("cache: deleted " + f.path.filename().string() + ", the least recently used package "
+        "past --disk-cache");
   }
 }
 
@@ -270,6 +359,7 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
   if (fs::exists(package, ec)) {
     if (auto compiled = load()) {
       ++diskHits;
+      fs::last_write_time(package, fs::file_time_type::clock::now(), ec); // for trimDisk
       log(name + ": inductor package loaded from the cache (" + std::to_string(nodes) +
           " nodes)");
       return compiled;
@@ -366,6 +456,7 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
     return nullptr;
   }
   ++compiles;
+  trimDisk(package);
   log(name + ": inductor compiled in " + seconds(took) + " (" + std::to_string(nodes) +
       " nodes); later runs use it");
   return compiled;

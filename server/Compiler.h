@@ -48,6 +48,12 @@ struct CompilerOptions {
   /// Limits of each compile process: CPU seconds, address space (CPU devices only: CUDA
   /// reserves more address space than any sane limit) and a wall-clock deadline.
   unsigned cpuSeconds = 900, memoryMiB = 16384, timeoutSeconds = 600;
+  /// Compiles waiting at once; a graph that gets hot while the queue is full stays on its plan
+  /// and is queued at a later run.
+  size_t queueLimit = 64;
+  /// Bytes of compiled packages loaded in memory (their package files' sizes), and kept in
+  /// the cache directory: past either, the least recently run ones are unloaded or deleted.
+  uint64_t memoryBytes = uint64_t(4) << 30, diskBytes = uint64_t(16) << 30;
 };
 
 /// A graph compiled by AOTInductor, ready to run.
@@ -89,6 +95,7 @@ public:
   void shutdown();
 
   std::atomic<uint64_t> compiles{0}, failures{0}, diskHits{0}, pending{0};
+  std::atomic<uint64_t> dropped{0}, evictions{0}, diskEvictions{0};
 
 private:
   enum class State { Counting, Queued, Ready, Failed, Skipped };
@@ -97,6 +104,8 @@ private:
     uint32_t runs = 0;
     unsigned after = 0; ///< 0: the server's --compile-after.
     std::shared_ptr<const CompiledGraph> compiled;
+    uint64_t bytes = 0;    ///< Of the loaded package.
+    uint64_t lastUse = 0;  ///< The lookup tick of its latest run.
   };
   struct Job {
     std::shared_ptr<const Plan> plan;
@@ -109,6 +118,12 @@ private:
   /// Runs the worker process; returns its exit status (-1 if it could not start or was killed).
   int spawnWorker(const std::vector<std::string> &argv, const std::string &logPath);
   std::string stem(const ir::Hash128 &hash) const;
+  /// Unloads the least recently run packages until those loaded fit memoryBytes. Under mu_.
+  void unloadPastLimit(const ir::Hash128 &keep);
+  /// Forgets the states of graphs not run for long, so the table stays bounded. Under mu_.
+  void pruneStates();
+  /// Deletes the least recently used packages until the cache directory fits diskBytes.
+  void trimDisk(const std::string &keep);
 
   CompilerOptions options_;
   at::Device device_;
@@ -117,6 +132,7 @@ private:
   std::condition_variable cv_;
   std::deque<Job> queue_;
   std::map<ir::Hash128, GraphState> graphs_;
+  uint64_t tick_ = 0, loadedBytes_ = 0;
   std::set<int> children_;
   bool stopping_ = false;
   std::vector<std::thread> threads_;

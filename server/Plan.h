@@ -72,6 +72,7 @@ public:
   bool compilable() const { return compilable_; }
   ir::Hash128 hash;
   uint64_t buildNs = 0; ///< Time spent verifying the graph and building this plan.
+  uint64_t bytes = 0;   ///< ir::graphBytes of its graph: what holding it costs a session.
   /// False for the plan of a graph whose hash another graph already held: it belongs to the
   /// session that defined it and is never compiled.
   bool shared = true;

@@ -27,13 +27,65 @@ Context::Context(at::Device device, wire::Limits limits, std::unique_ptr<Compile
 
 size_t Context::graphsCached() {
   std::lock_guard<std::mutex> lock(mu_);
-  return plans_.size();
+  size_t live = 0;
+  for (const auto &entry : plans_)
+    live += !entry.second.expired();
+  return live;
 }
 
 std::shared_ptr<const Plan> Context::find(const ir::Hash128 &hash) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = plans_.find(hash);
-  return it == plans_.end() ? nullptr : it->second;
+  std::shared_ptr<const Plan> plan = it == plans_.end() ? nullptr : it->second.lock();
+  if (plan)
+    keep(plan);
+  return plan;
+}
+
+void Context::keep(const std::shared_ptr<const Plan> &plan) {
+  if (auto it = recentIndex_.find(plan->hash); it != recentIndex_.end()) {
+    recent_.splice(recent_.begin(), recent_, it->second);
+    return;
+  }
+  recent_.push_front(plan);
+  recentIndex_[plan->hash] = recent_.begin();
+  recentBytes_ += plan->bytes;
+  while (recentBytes_ > budgets.planCache && recent_.size() > 1) {
+    const std::shared_ptr<const Plan> &last = recent_.back();
+    recentBytes_ -= last->bytes;
+    recentIndex_.erase(last->hash);
+    ++planEvictions;
+    recent_.pop_back(); // a session that holds it keeps it alive
+  }
+  // Entries of plans nobody holds any more, at most one sweep per doubling of the table.
+  if (plans_.size() > 2 * sweptAt_ + 64) {
+    for (auto it = plans_.begin(); it != plans_.end();)
+      it = it->second.expired() ? plans_.erase(it) : std::next(it);
+    sweptAt_ = plans_.size();
+  }
+}
+
+std::shared_ptr<memory::Account> Context::openAccount() {
+  auto account = std::make_shared<memory::Account>();
+  account->quota = budgets.sessionMemory;
+  std::lock_guard<std::mutex> lock(accountsMu_);
+  accounts_.erase(std::remove_if(accounts_.begin(), accounts_.end(),
+                                 [](const auto &a) { return a.expired(); }),
+                  accounts_.end());
+  accounts_.push_back(account);
+  return account;
+}
+
+std::vector<uint64_t> Context::sessionMemories() {
+  std::vector<uint64_t> held;
+  {
+    std::lock_guard<std::mutex> lock(accountsMu_);
+    for (const auto &weak : accounts_)
+      if (auto a = weak.lock())
+        held.push_back(a->held);
+  }
+  std::sort(held.rbegin(), held.rend());
+  return held;
 }
 
 std::shared_ptr<const Plan> Context::define(const ir::Hash128 &hash, ir::Graph graph,
@@ -46,11 +98,13 @@ std::shared_ptr<const Plan> Context::define(const ir::Hash128 &hash, ir::Graph g
   if (known && ir::sameStructure(known->graph(), graph))
     return known;
   size_t nodes = graph.nodes.size();
+  uint64_t bytes = ir::graphBytes(graph);
   auto start = std::chrono::steady_clock::now();
   std::shared_ptr<Plan> plan = Plan::build(std::move(graph), error, limits_.maxTensorBytes);
   if (!plan)
     return nullptr;
   plan->hash = hash;
+  plan->bytes = bytes;
   plan->buildNs = std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now() - start).count();
   ++planBuilds;
@@ -66,19 +120,33 @@ std::shared_ptr<const Plan> Context::define(const ir::Hash128 &hash, ir::Graph g
     return plan;
   }
   std::lock_guard<std::mutex> lock(mu_);
-  return plans_.emplace(hash, plan).first->second;
+  // Two sessions may have built the same new graph at once: the first one filed is shared.
+  if (auto it = plans_.find(hash); it != plans_.end())
+    if (auto filed = it->second.lock()) {
+      if (ir::sameStructure(filed->graph(), plan->graph())) {
+        keep(filed);
+        return filed;
+      }
+      plan->shared = false;
+      return plan;
+    }
+  plans_[hash] = plan;
+  keep(plan);
+  return plan;
 }
 
 struct Session::Partial {
   at::Tensor cpu;
   ir::TensorMeta meta;
   uint64_t received = 0;
+  ErrorPtr error; ///< Its buffer could not be allocated.
 };
 
 Session::Session(Context &ctx, std::string peer, Admission admission,
                  const std::atomic<bool> *cancelled)
     : ctx_(ctx), peer_(std::move(peer)), admission_(std::move(admission)), cancelled_(cancelled) {
   generator_ = at::globalContext().defaultGenerator(ctx_.device()).clone();
+  account_ = ctx_.openAccount();
   ++ctx_.sessions;
 }
 
@@ -108,6 +176,7 @@ struct ResultItem {
 } // namespace
 
 FrameOutcome Session::handle(const net::Frame &frame) {
+  memory::Charge charge(account_); // what this frame allocates is this session's
   try {
     return serve(frame);
   } catch (const kj::Exception &e) {
@@ -171,6 +240,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         hello(cmd.getHello(), fatal, serverMac);
         break;
       case wire::Command::DEFINE: define(cmd.getDefine()); break;
+      case wire::Command::FORGET: forget(cmd.getForget()); break;
       case wire::Command::RUN: {
         std::vector<std::vector<ir::TensorMeta>> metas;
         run(cmd.getRun(), metas);
@@ -253,6 +323,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       h.setTorchVersion(bridge::torchVersion());
       h.setDevice(ctx_.device().str());
       h.setCompiler(ctx_.compiler() ? "inductor" : "plan");
+      h.setGraphBudget(ctx_.budgets.graphMemory);
       if (!serverMac.empty())
         h.setServerMac(kj::arrayPtr(reinterpret_cast<const kj::byte *>(serverMac.data()),
                                     serverMac.size()));
@@ -309,12 +380,31 @@ void Session::stats(wire::ServerStats::Builder out) {
   out.setSessionTensors(tensors_.size());
   out.setCompiledRuns(ctx_.compiledRuns);
   out.setSessionCompiledRuns(compiledRuns_);
+  out.setConnections(ctx_.connectionsOpen);
+  out.setConnectionsRefused(ctx_.connectionsRefused);
+  out.setSessionMemory(account_->held);
+  out.setSessionMemoryPeak(account_->peak);
+  out.setSessionMemoryQuota(account_->quota);
+  out.setSessionMemoryRefused(account_->refused);
+  out.setMemoryHeld(memory::held());
+  out.setMemoryLimit(memory::limit());
+  std::vector<uint64_t> memories = ctx_.sessionMemories();
+  auto ms = out.initSessionMemories(memories.size());
+  for (size_t i = 0; i < memories.size(); ++i)
+    ms.set(i, memories[i]);
+  out.setSessionGraphBytes(graphBytes_);
+  out.setGraphBudget(ctx_.budgets.graphMemory);
+  out.setGraphsForgotten(graphsForgotten_);
+  out.setPlanEvictions(ctx_.planEvictions);
   if (Compiler *c = ctx_.compiler()) {
     out.setCompiler("inductor");
     out.setInductorCompiles(c->compiles);
     out.setCompilesPending(c->pending);
     out.setCompileFailures(c->failures);
     out.setDiskCacheHits(c->diskHits);
+    out.setCompiledEvictions(c->evictions);
+    out.setDiskEvictions(c->diskEvictions);
+    out.setCompilesDropped(c->dropped);
   } else {
     out.setCompiler("plan");
   }
@@ -323,12 +413,11 @@ void Session::stats(wire::ServerStats::Builder out) {
   for (const auto &[hash, use] : used_) {
     auto g = graphs[i++];
     wire::encodeHash(hash, g.initHash());
-    g.setNodes(use.plan->graph().nodes.size());
+    g.setNodes(use.nodes);
     g.setRuns(use.runs);
     g.setExecuteNs(use.executeNs);
-    g.setBuildNs(use.plan->buildNs);
-    g.setExecutor(ctx_.compiler() && use.plan->shared ? ctx_.compiler()->executorOf(hash)
-                                                      : "plan");
+    g.setBuildNs(use.buildNs);
+    g.setExecutor(ctx_.compiler() && use.shared ? ctx_.compiler()->executorOf(hash) : "plan");
     g.setCompiledRuns(use.compiledRuns);
   }
 }
@@ -377,10 +466,20 @@ void Session::define(wire::Define::Reader r) {
   ir::Graph graph;
   std::string error = wire::decodeGraph(r.getGraph(), ctx_.limits(), graph, policy::admit);
   std::shared_ptr<const Plan> plan;
-  if (error.empty())
-    plan = ctx_.define(hash, std::move(graph), error);
+  const uint64_t budget = ctx_.budgets.graphMemory;
+  if (error.empty()) {
+    uint64_t bytes = ir::graphBytes(graph);
+    if (budget && graphBytes_ + bytes > budget)
+      error = "its " + memory::sizeText(bytes) + " would take this session past its graph "
+              "memory of " + memory::sizeText(budget) + " (--graph-memory; it holds " +
+              memory::sizeText(graphBytes_) + " in " + std::to_string(defined_.size()) +
+              " graphs, and the client forgets the least recently run ones to make room)";
+    else
+      plan = ctx_.define(hash, std::move(graph), error);
+  }
   if (plan) {
     defined_[hash] = plan;
+    graphBytes_ += plan->bytes;
     refused_.erase(hash);
     if (ctx_.compiler() && plan->shared && r.hasExecutor() && r.getExecutor().size())
       ctx_.compiler()->prefer(hash, r.getExecutor());
@@ -392,6 +491,19 @@ void Session::define(wire::Define::Reader r) {
     refused_.erase(refused_.begin());
   refused_[hash] = e;
   fail(e);
+}
+
+void Session::forget(capnp::List<wire::Hash>::Reader hashes) {
+  for (auto h : hashes) {
+    ir::Hash128 hash = wire::decodeHash(h);
+    auto it = defined_.find(hash);
+    if (it == defined_.end())
+      continue;
+    graphBytes_ -= it->second->bytes;
+    defined_.erase(it);
+    used_.erase(hash);
+    ++graphsForgotten_;
+  }
 }
 
 void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas) {
@@ -456,7 +568,9 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   std::vector<Entry> outputs;
   ++ctx_.graphRuns;
   GraphUse &use = used_[hash];
-  use.plan = plan;
+  use.nodes = g.nodes.size();
+  use.buildNs = plan->buildNs;
+  use.shared = plan->shared;
   // Compiled code runs only when every input holds a value (the plan propagates errors node by
   // node) and the output layouts are known (not the data-dependent path).
   std::shared_ptr<const CompiledGraph> compiled;
@@ -545,18 +659,38 @@ void Session::upload(wire::Upload::Reader r) {
   if (offset == 0) {
     part = std::make_unique<Partial>();
     part->meta = meta;
-    part->cpu = at::empty_strided(meta.sizes, meta.strides,
-                                  at::TensorOptions().dtype(bridge::scalarType(meta.dtype)));
+    try {
+      part->cpu = at::empty_strided(meta.sizes, meta.strides,
+                                    at::TensorOptions().dtype(bridge::scalarType(meta.dtype)));
+    } catch (const c10::Error &e) {
+      // Over a quota, or out of memory: the upload's chunks are taken and dropped, and its
+      // handle holds the error; the session goes on.
+      part->error = sessionError("upload of " + memory::sizeText(total) + " for handle " +
+                                 std::to_string(handle) + ": " + e.what_without_backtrace());
+      fail(part->error);
+    }
   }
-  if (data.size())
+  if (data.size() && !part->error)
     std::memcpy(static_cast<char *>(part->cpu.data_ptr()) + r.getOffset(), data.begin(),
                 data.size());
   part->received += data.size();
   if (part->received < r.getTotal())
     return;
-  at::Tensor t = ctx_.device().is_cpu() ? part->cpu : part->cpu.to(ctx_.device());
+  if (part->error) {
+    bind(handle, {at::Tensor(), part->error});
+    partial_.erase(handle);
+    return;
+  }
+  Entry e;
+  try {
+    e.tensor = ctx_.device().is_cpu() ? part->cpu : part->cpu.to(ctx_.device());
+  } catch (const c10::Error &err) { // CUDA out of memory
+    e.error = sessionError("upload of " + memory::sizeText(total) + " for handle " +
+                           std::to_string(handle) + ": " + err.what_without_backtrace());
+    fail(e.error);
+  }
   partial_.erase(handle);
-  bind(handle, {t, nullptr});
+  bind(handle, std::move(e));
 }
 
 std::string Session::download(wire::Download::Reader r, uint64_t room, kj::Array<kj::byte> &bytes) {

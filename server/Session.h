@@ -9,6 +9,7 @@
 
 #include "Compiler.h"
 #include "Log.h"
+#include "Memory.h"
 #include "Plan.h"
 
 #include "rgpu/net/Frame.h"
@@ -16,13 +17,25 @@
 
 
 #include <atomic>
+#include <list>
 #include <map>
 #include <mutex>
 #include <unordered_map>
 
 namespace rgpu::server {
 
+/// What a server lets each session hold, and how much it caches for all of them.
+struct Budgets {
+  uint64_t sessionMemory = 0;              ///< --session-memory; 0: none
+  uint64_t graphMemory = uint64_t(64) << 20; ///< --graph-memory: graphs one session holds
+  uint64_t planCache = uint64_t(256) << 20;  ///< --plan-cache: plans kept once unheld
+};
+
 /// State shared by every session of one server: the device, the graph cache and the compiler.
+///
+/// A plan lives while a session holds its graph (defined and not forgotten), and after that in
+/// a least-recently-defined cache of --plan-cache bytes, so a session that reconnects or
+/// defines a graph another one built gets it without building it again.
 class Context {
 public:
   /// \p compiler is null for --compiler plan.
@@ -39,7 +52,14 @@ public:
   /// another graph already holds the hash (then it is private to the caller, see Plan::shared).
   std::shared_ptr<const Plan> define(const ir::Hash128 &hash, ir::Graph graph, std::string &error);
 
-  std::atomic<uint64_t> planBuilds{0}, graphRuns{0}, compiledRuns{0}, sessions{0};
+  Budgets budgets;
+  /// A new session's memory account, listed for sessionMemories.
+  std::shared_ptr<memory::Account> openAccount();
+  /// The bytes each open session holds, largest first.
+  std::vector<uint64_t> sessionMemories();
+
+  std::atomic<uint64_t> planBuilds{0}, graphRuns{0}, compiledRuns{0}, sessions{0},
+      planEvictions{0};
   /// Sessions whose Hello was accepted, and how many may be at once (--max-connections).
   std::atomic<uint64_t> greetedSessions{0};
   uint64_t maxSessions = 256;
@@ -52,7 +72,16 @@ private:
   wire::Limits limits_;
   std::unique_ptr<Compiler> compiler_;
   std::mutex mu_;
-  std::map<ir::Hash128, std::shared_ptr<const Plan>> plans_;
+  /// Every plan some session or the cache holds (under mu_).
+  std::map<ir::Hash128, std::weak_ptr<const Plan>> plans_;
+  /// The cache: most recently defined first, with the bytes it holds (under mu_).
+  std::list<std::shared_ptr<const Plan>> recent_;
+  std::map<ir::Hash128, std::list<std::shared_ptr<const Plan>>::iterator> recentIndex_;
+  uint64_t recentBytes_ = 0;
+  size_t sweptAt_ = 0;
+  void keep(const std::shared_ptr<const Plan> &plan); // under mu_
+  std::mutex accountsMu_;
+  std::vector<std::weak_ptr<memory::Account>> accounts_;
 };
 
 /// The outcome of handling one frame.
@@ -93,6 +122,7 @@ private:
 
   void hello(wire::Hello::Reader r, std::string &fatal, std::string &serverMac);
   void define(wire::Define::Reader r);
+  void forget(capnp::List<wire::Hash>::Reader hashes);
   void run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas);
   void upload(wire::Upload::Reader r);
   /// Reads a tensor's bytes into \p bytes, at most \p room of them (what the reply has left).
@@ -120,16 +150,22 @@ private:
   /// last chunk (a client reads one tensor at a time; a new one replaces it, so it is bounded).
   uint64_t stagedHandle_ = 0;
   at::Tensor staged_;
-  /// The graphs this session defined: the only ones its Runs can name.
+  /// The graphs this session defined and has not forgotten: the only ones its Runs can name,
+  /// and the ir::graphBytes they hold (at most budgets.graphMemory).
   std::map<ir::Hash128, std::shared_ptr<const Plan>> defined_;
+  uint64_t graphBytes_ = 0, graphsForgotten_ = 0;
+  std::shared_ptr<memory::Account> account_;
   /// Graphs this session defined that failed checks (at most kMaxRefused are remembered).
   std::map<ir::Hash128, ErrorPtr> refused_;
   static constexpr size_t kMaxRefused = 256;
   struct GraphUse {
-    std::shared_ptr<const Plan> plan;
+    uint32_t nodes = 0;
+    uint64_t buildNs = 0;
+    bool shared = true;
     uint64_t runs = 0, executeNs = 0, compiledRuns = 0;
   };
-  std::map<ir::Hash128, GraphUse> used_; ///< What rgpu.server_stats() reports for this session.
+  /// What rgpu.server_stats() reports of the graphs this session holds.
+  std::map<ir::Hash128, GraphUse> used_;
   uint64_t runs_ = 0, executeNs_ = 0, compiledRuns_ = 0;
   std::vector<std::string> notes_; ///< For the client's log, sent with the next reply.
   void stats(wire::ServerStats::Builder out);

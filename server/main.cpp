@@ -87,6 +87,26 @@ options:
                          cores, at least 4)
   --max-tensor-mib N     largest tensor a graph may hold or a client may upload, in MiB
                          (default: this machine's physical memory)
+
+memory and caches (SIZE: a number with a unit, such as 8GiB, 512MiB or 64k):
+  --memory-limit SIZE    memory all sessions may hold together (default: 85% of this
+                         machine's physical memory). An allocation past it, or past a
+                         session's quota, fails that op with an rgpu.RemoteError naming
+                         the limit; the session goes on. 0: none
+  --session-memory SIZE  memory one session may hold: its tensors, uploads in progress
+                         and staging buffers (default 0: only --memory-limit applies)
+  --graph-memory SIZE    graphs one session may hold defined (default 64MiB, counted by
+                         their size in memory); the client forgets its least recently
+                         run graphs to stay under it and defines them again when needed
+  --plan-cache SIZE      plans kept for graphs no session holds, least recently defined
+                         dropped first (default 256MiB)
+  --compiled-cache SIZE  compiled packages loaded at once, by package size (default
+                         4GiB); the least recently run are unloaded, and reloaded from
+                         the cache directory when hot again
+  --disk-cache SIZE      size of the cache directory's compiled packages (default
+                         16GiB); the least recently used are deleted
+  --compile-queue N      compiles waiting at once (default 64); a graph that gets hot
+                         while it is full runs on its plan and is queued later
   --refused-ops          list the aten ops this server refuses to run, with the reason
                          for each, and exit
   -h, --help             show this help
@@ -663,7 +683,10 @@ int main(int argc, char **argv) {
   ConnectionLimits conn;
   size_t maxConnections = 256;
   size_t workers = std::max(4u, std::thread::hardware_concurrency());
-  limits.maxTensorBytes = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
+  const uint64_t physical = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
+  limits.maxTensorBytes = physical;
+  Budgets budgets;
+  uint64_t memoryLimit = physical / 100 * 85;
   auto seconds = [](const std::string &v) { return uint64_t(std::max(0.05, std::stod(v)) * 1000); };
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -731,6 +754,21 @@ int main(int argc, char **argv) {
         limits.maxTensorBytes = std::stoull(value()) << 20;
       } else if (a == "--max-frame-mib") {
         limits.maxFrameBytes = std::stoull(value()) << 20;
+      } else if (a == "--memory-limit" || a == "--session-memory" || a == "--graph-memory" ||
+                 a == "--plan-cache" || a == "--compiled-cache" || a == "--disk-cache") {
+        std::string v = value();
+        uint64_t bytes = 0;
+        if (!memory::parseSize(v, bytes))
+          return fail("option " + a + " needs a size such as 8GiB, 512MiB or 64k, not '" + v +
+                      "'");
+        (a == "--memory-limit"     ? memoryLimit
+         : a == "--session-memory" ? budgets.sessionMemory
+         : a == "--graph-memory"   ? budgets.graphMemory
+         : a == "--plan-cache"     ? budgets.planCache
+         : a == "--compiled-cache" ? compile.memoryBytes
+                                   : compile.diskBytes) = bytes;
+      } else if (a == "--compile-queue") {
+        compile.queueLimit = std::max(1, std::stoi(value()));
       } else {
         return fail("unknown option " + a + " (see --help)");
       }
@@ -788,6 +826,8 @@ int main(int argc, char **argv) {
   }
   server.ctx = std::make_unique<Context>(dev, limits, std::move(inductor));
   server.ctx->maxSessions = maxConnections;
+  server.ctx->budgets = budgets;
+  memory::install(memoryLimit);
   server.limits = conn;
   server.loop = uv_default_loop();
   std::string where, tokenNote;
@@ -826,7 +866,10 @@ int main(int argc, char **argv) {
   }
   log("listening on " + where + ", device " + server.ctx->device().str() + ", compiler " +
       compiler + (compiler == "inductor" ? ", cache " + compile.cacheDir : "") + ", " +
-      std::to_string(workers) + " workers");
+      std::to_string(workers) + " workers, memory limit " +
+      (memoryLimit ? memory::sizeText(memoryLimit) : std::string("none")) +
+      (budgets.sessionMemory ? " (" + memory::sizeText(budgets.sessionMemory) + " a session)"
+                             : std::string()));
   if (!tokenNote.empty())
     log(tokenNote);
   return uv_run(server.loop, UV_RUN_DEFAULT);

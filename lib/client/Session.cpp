@@ -55,6 +55,7 @@ struct Session::Command {
   at::Tensor data; ///< A private CPU copy of an upload's bytes.
   uint64_t offset = 0, length = 0;
   std::string executor; ///< A Define's executor hint.
+  std::vector<ir::Hash128> hashes; ///< A Forget's graphs.
 };
 
 Session &Session::get() {
@@ -204,13 +205,21 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
     locs.push_back(t.clientLocs[node.loc]);
   log(10, std::string("cut (") + reason + ") at " + locationText(site_) + ": " +
               std::to_string(c.graph.nodes.size()) + " nodes, graph " + c.hash.hex().substr(0, 12));
-  if (!defined_.count(c.hash)) {
+  if (!lost() && !socket_.connected())
+    connect(); // the graph budget comes with the Hello's reply
+  uint64_t bytes = ir::graphBytes(c.graph);
+  if (hold(c.hash, bytes)) {
     Command def;
     def.kind = wire::Command::DEFINE;
     def.hash = c.hash;
     def.graph = std::make_shared<const ir::Graph>(std::move(c.graph));
     def.executor = executor;
-    noteNewGraph(c.hash, def.graph, reason);
+    if (!graphs_.count(c.hash))
+      noteNewGraph(c.hash, def.graph, reason);
+    else
+      log(10, "define graph " + c.hash.hex().substr(0, 12) + " again (forgotten to stay "
+              "under the server's graph memory)");
+    ++stats.graphsShipped;
     queue(std::move(def));
   }
   ++graphs_[c.hash].runs;
@@ -219,6 +228,30 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
   uint64_t first = run.handle;
   queue(std::move(run));
   return first;
+}
+
+bool Session::hold(const ir::Hash128 &hash, uint64_t bytes) {
+  if (auto it = heldIndex_.find(hash); it != heldIndex_.end()) {
+    held_.splice(held_.begin(), held_, it->second);
+    return false;
+  }
+  Command forget;
+  forget.kind = wire::Command::FORGET;
+  while (graphBudget_ && heldBytes_ + bytes > graphBudget_ && !held_.empty()) {
+    // Its runs already queued come before this Forget; a later run defines it again.
+    auto [victim, victimBytes] = held_.back();
+    forget.hashes.push_back(victim);
+    heldIndex_.erase(victim);
+    heldBytes_ -= victimBytes;
+    held_.pop_back();
+    ++stats.graphsForgotten;
+  }
+  if (!forget.hashes.empty())
+    queue(std::move(forget));
+  held_.emplace_front(hash, bytes);
+  heldIndex_[hash] = held_.begin();
+  heldBytes_ += bytes;
+  return true;
 }
 
 Session::CutOutputs Session::cut(const char *reason, const std::string &executor) {
@@ -283,8 +316,6 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
 
 void Session::noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph,
                            const char *reason) {
-  defined_.insert(hash);
-  ++stats.graphsShipped;
   GraphInfo &info = graphs_[hash];
   info.nodes = graph->nodes.size();
   info.cutAt = locationText(site_);
@@ -694,6 +725,7 @@ void Session::handshake(bool tcp) {
                            "token from " + source + ": it is not the rgpu-opserver you meant, "
                            "or it has another token");
   }
+  graphBudget_ = hr.getGraphBudget();
   std::string theirs = hr.getTorchVersion();
   if (minorOf(theirs) != minorOf(bridge::torchVersion()))
     lose("version mismatch: this client runs torch " + bridge::torchVersion() +
@@ -786,6 +818,12 @@ Session::Reply Session::flush(bool wantReply) {
       d.setLength(c.length);
       break;
     }
+    case wire::Command::FORGET: {
+      auto f = cb.initForget(c.hashes.size());
+      for (size_t k = 0; k < c.hashes.size(); ++k)
+        wire::encodeHash(c.hashes[k], f[k]);
+      break;
+    }
     case wire::Command::SEED: cb.setSeed(c.handle); break;
     case wire::Command::STATS: cb.setStats(); break;
     case wire::Command::SYNC: cb.setSync(); break;
@@ -876,6 +914,23 @@ Session::Reply Session::flush(bool wantReply) {
         out.diskCacheHits = st.getDiskCacheHits();
         out.compiledRuns = st.getCompiledRuns();
         out.sessionCompiledRuns = st.getSessionCompiledRuns();
+        out.connections = st.getConnections();
+        out.connectionsRefused = st.getConnectionsRefused();
+        out.sessionMemory = st.getSessionMemory();
+        out.sessionMemoryPeak = st.getSessionMemoryPeak();
+        out.sessionMemoryQuota = st.getSessionMemoryQuota();
+        out.sessionMemoryRefused = st.getSessionMemoryRefused();
+        out.memoryHeld = st.getMemoryHeld();
+        out.memoryLimit = st.getMemoryLimit();
+        for (uint64_t m : st.getSessionMemories())
+          out.sessionMemories.push_back(m);
+        out.sessionGraphBytes = st.getSessionGraphBytes();
+        out.graphBudget = st.getGraphBudget();
+        out.graphsForgotten = st.getGraphsForgotten();
+        out.planEvictions = st.getPlanEvictions();
+        out.compiledEvictions = st.getCompiledEvictions();
+        out.diskEvictions = st.getDiskEvictions();
+        out.compilesDropped = st.getCompilesDropped();
         for (auto g : st.getGraphs())
           out.graphs.push_back({wire::decodeHash(g.getHash()), g.getNodes(), g.getRuns(),
                                 g.getExecuteNs(), g.getBuildNs(), g.getExecutor(),

@@ -632,4 +632,24 @@ void printDot(const Graph &g, raw_ostream &os) {
   os << "}\n";
 }
 
+uint64_t graphBytes(const Graph &g) {
+  auto meta = [](const TensorMeta &m) { return sizeof(TensorMeta) + 16 * m.sizes.size(); };
+  auto text = [](const std::string &s) { return sizeof(std::string) + s.size(); };
+  uint64_t bytes = sizeof(Graph) + g.scalars.size() * sizeof(ScalarSlot) +
+                   g.outputs.size() * sizeof(uint32_t);
+  for (const TensorMeta &m : g.inputs)
+    bytes += meta(m);
+  for (const std::string &l : g.locations)
+    bytes += text(l);
+  for (const Node &n : g.nodes) {
+    bytes += sizeof(Node) + n.args.size() * sizeof(Arg) +
+             (n.operands.size() + n.scalars.size()) * sizeof(uint32_t);
+    for (const std::string &s : n.strings)
+      bytes += text(s);
+    for (const TensorMeta &m : n.outputs)
+      bytes += meta(m);
+  }
+  return bytes;
+}
+
 } // namespace rgpu::ir

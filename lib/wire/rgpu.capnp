@@ -127,6 +127,7 @@ struct Command {
     seed @6 :UInt64;
     sync @7 :Void;
     stats @8 :Void;      # answered with the server's counters
+    forget @9 :List(Hash); # graphs this session no longer needs (see HelloReply.graphBudget)
   }
 }
 
@@ -157,6 +158,9 @@ struct HelloReply {
   device @2 :Text;
   compiler @3 :Text;
   serverMac @4 :Data;    # over TCP: net::auth::serverMac(token, challenge, clientNonce)
+  graphBudget @5 :UInt64; # bytes of graphs (ir::graphBytes) a session may hold defined at
+                          # once; the client Forgets its least recently run graphs to stay
+                          # under it, and a Define past it is refused. 0: no limit
 }
 
 struct Result {
@@ -195,6 +199,22 @@ struct ServerStats {
   diskCacheHits @12 :UInt64;     # packages loaded from --cache-dir instead of compiled
   compiledRuns @13 :UInt64;      # runs of compiled code, all sessions
   sessionCompiledRuns @14 :UInt64;
+  connections @15 :UInt64;         # open now, authenticated or not
+  connectionsRefused @16 :UInt64;  # closed unserved: limits, failed authentication, timeouts
+  sessionMemory @17 :UInt64;       # bytes this session holds (see server/Memory.h)
+  sessionMemoryPeak @18 :UInt64;
+  sessionMemoryQuota @19 :UInt64;  # --session-memory; 0: none
+  sessionMemoryRefused @20 :UInt64; # this session's allocations refused by a quota or limit
+  memoryHeld @21 :UInt64;          # bytes held by all sessions
+  memoryLimit @22 :UInt64;         # --memory-limit; 0: none
+  sessionMemories @23 :List(UInt64); # bytes held by each session, largest first
+  sessionGraphBytes @24 :UInt64;   # graphs this session holds defined, in ir::graphBytes
+  graphBudget @25 :UInt64;         # --graph-memory
+  graphsForgotten @26 :UInt64;     # by this session's Forgets
+  planEvictions @27 :UInt64;       # plans dropped from the server's cache (--plan-cache)
+  compiledEvictions @28 :UInt64;   # compiled packages unloaded (--compiled-cache)
+  diskEvictions @29 :UInt64;       # packages deleted from --cache-dir (--disk-cache)
+  compilesDropped @30 :UInt64;     # compiles not queued: the queue was full (--compile-queue)
 }
 
 struct ServerFrame {

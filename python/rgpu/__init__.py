@@ -124,8 +124,15 @@ def server_stats() -> dict:
     ``compiler`` ("inductor" or "plan"), ``plan_builds``, ``graphs_cached``, ``graph_runs``,
     ``sessions``, ``inductor_compiles`` (finished), ``compiles_pending`` (queued or running),
     ``compile_failures``, ``disk_cache_hits`` (packages loaded from the server's cache instead of
-    compiled), ``compiled_runs``; ``session`` holds ``graph_runs``, ``compiled_runs``,
-    ``execute_ms``, ``tensors`` and per graph ``executor``, ``runs``, ``compiled_runs``,
+    compiled), ``compiled_runs``; ``connections`` (open now) and ``connections_refused``;
+    ``memory_held`` by all sessions against ``memory_limit`` (bytes, 0 for none) and
+    ``session_memories`` (each session's bytes, largest first); evictions: ``plan_evictions``,
+    ``compiled_evictions``, ``disk_evictions`` and ``compiles_dropped`` (the queue was full).
+
+    ``session`` holds ``graph_runs``, ``compiled_runs``, ``execute_ms``, ``tensors``,
+    ``memory`` (bytes held), ``memory_peak``, ``memory_quota`` (0 for none),
+    ``allocations_refused``, ``graph_bytes`` held against ``graph_budget``,
+    ``graphs_forgotten``, and per graph it holds ``executor``, ``runs``, ``compiled_runs``,
     ``execute_ms`` and ``build_ms`` (verifying the graph and building its plan). One round trip.
     """
     return _C.server_stats()

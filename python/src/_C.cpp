@@ -116,6 +116,7 @@ PYBIND11_MODULE(_C, m) {
     d["ops_traced"] = s.opsTraced.load();
     d["uploads"] = s.uploads.load();
     d["downloads"] = s.downloads.load();
+    d["graphs_forgotten"] = s.graphsForgotten.load();
     d["live_tensors"] = Session::get().liveTensors();
     return d;
   });
@@ -175,6 +176,13 @@ PYBIND11_MODULE(_C, m) {
     session["execute_ms"] = st.sessionExecuteNs / 1e6;
     session["tensors"] = st.sessionTensors;
     session["compiled_runs"] = st.sessionCompiledRuns;
+    session["memory"] = st.sessionMemory;
+    session["memory_peak"] = st.sessionMemoryPeak;
+    session["memory_quota"] = st.sessionMemoryQuota;
+    session["allocations_refused"] = st.sessionMemoryRefused;
+    session["graph_bytes"] = st.sessionGraphBytes;
+    session["graph_budget"] = st.graphBudget;
+    session["graphs_forgotten"] = st.graphsForgotten;
     py::list graphs;
     for (const auto &g : st.graphs) {
       py::dict d;
@@ -198,6 +206,15 @@ PYBIND11_MODULE(_C, m) {
     out["compile_failures"] = st.compileFailures;
     out["disk_cache_hits"] = st.diskCacheHits;
     out["compiled_runs"] = st.compiledRuns;
+    out["connections"] = st.connections;
+    out["connections_refused"] = st.connectionsRefused;
+    out["memory_held"] = st.memoryHeld;
+    out["memory_limit"] = st.memoryLimit;
+    out["session_memories"] = st.sessionMemories;
+    out["plan_evictions"] = st.planEvictions;
+    out["compiled_evictions"] = st.compiledEvictions;
+    out["disk_evictions"] = st.diskEvictions;
+    out["compiles_dropped"] = st.compilesDropped;
     out["session"] = session;
     return out;
   });

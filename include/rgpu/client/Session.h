@@ -20,6 +20,7 @@
 #include <atomic>
 #include <functional>
 #include <mutex>
+#include <list>
 #include <map>
 #include <set>
 
@@ -28,7 +29,7 @@ namespace rgpu::client {
 /// Counters reported by rgpu.stats().
 struct Stats {
   std::atomic<uint64_t> messages{0}, waits{0}, bytesOut{0}, bytesIn{0}, graphsShipped{0},
-      graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0};
+      graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0}, graphsForgotten{0};
 };
 
 /// How errors reach the user; the Python glue replaces the default (std::runtime_error) so that
@@ -98,6 +99,12 @@ public:
     std::string compiler;
     uint64_t inductorCompiles = 0, compilesPending = 0, compileFailures = 0, diskCacheHits = 0;
     uint64_t compiledRuns = 0, sessionCompiledRuns = 0;
+    uint64_t connections = 0, connectionsRefused = 0;
+    uint64_t sessionMemory = 0, sessionMemoryPeak = 0, sessionMemoryQuota = 0,
+             sessionMemoryRefused = 0, memoryHeld = 0, memoryLimit = 0;
+    std::vector<uint64_t> sessionMemories;
+    uint64_t sessionGraphBytes = 0, graphBudget = 0, graphsForgotten = 0, planEvictions = 0,
+             compiledEvictions = 0, diskEvictions = 0, compilesDropped = 0;
     struct Graph {
       ir::Hash128 hash;
       uint32_t nodes = 0;
@@ -220,7 +227,15 @@ private:
   std::vector<at::Tensor> group_;
   llvm::DenseMap<DeviceData *, Fetched> fetched_;
   std::vector<uint64_t> releases_;
-  std::set<ir::Hash128> defined_;
+  /// The graphs the server holds for this session, most recently run first, with their
+  /// ir::graphBytes: kept under the budget its Hello reply announced by forgetting the least
+  /// recently run ones (a graph run again after that is defined again).
+  std::list<std::pair<ir::Hash128, uint64_t>> held_;
+  std::map<ir::Hash128, std::list<std::pair<ir::Hash128, uint64_t>>::iterator> heldIndex_;
+  uint64_t heldBytes_ = 0, graphBudget_ = 0;
+  /// Queues what the server needs before a Run of \p hash: nothing if it holds the graph,
+  /// else Forgets that make room and its Define. Returns whether a Define was queued.
+  bool hold(const ir::Hash128 &hash, uint64_t bytes);
   /// Per graph hash, the location id of each node at its latest run: a remote error names the
   /// user's line as it is now, whatever line first defined the graph.
   std::map<ir::Hash128, std::vector<uint32_t>> nodeLocations_;

@@ -192,6 +192,11 @@ Canonical canonicalize(const Graph &g);
 /// scalar slot types. Not data, scalar values or locations. Two independent 64-bit xxHashes.
 Hash128 hashGraph(const Graph &g);
 
+/// What \p g costs to hold, in bytes: an estimate of its size in memory from its content alone,
+/// so that a client and a server holding the same graph count the same (a session's graph
+/// budget, HelloReply.graphBudget, is in these bytes).
+uint64_t graphBytes(const Graph &g);
+
 /// True if \p a and \p b agree on everything hashGraph hashes: the same hash then means the
 /// same graph, not a collision.
 bool sameStructure(const Graph &a, const Graph &b);

@@ -38,7 +38,8 @@ struct ServerProcess {
       int null = open("/dev/null", O_WRONLY);
       dup2(null, 1);
       execl(RGPU_OPSERVER_PATH, RGPU_OPSERVER_PATH, "--device", "cpu", "--socket",
-            socket.c_str(), "--max-frame-mib", "64", nullptr);
+            socket.c_str(), "--max-frame-mib", "64", "--frame-timeout", "2",
+            "--session-memory", "256MiB", nullptr);
       _exit(127);
     }
     close(fds[1]);
@@ -120,8 +121,10 @@ public:
   bool sendRaw(const std::string &bytes) { return socket_.sendAll(bytes); }
 
   /// Sends one frame built by \p fill; returns the reply if \p wantReply.
+  /// With \p wait false, asks for a reply without waiting for it (see receive).
   template <typename Fill>
-  std::optional<net::Frame> send(bool wantReply, size_t n, Fill fill, bool pack = true) {
+  std::optional<net::Frame> send(bool wantReply, size_t n, Fill fill, bool pack = true,
+                                 bool wait = true) {
     capnp::MallocMessageBuilder b;
     auto f = b.initRoot<wire::ClientFrame>();
     f.setSeq(++seq_);
@@ -129,8 +132,16 @@ public:
     fill(f.initCommands(n));
     if (!socket_.sendAll(net::encodeFrame(b, pack)))
       return std::nullopt;
-    if (!wantReply)
+    if (!wantReply || !wait)
       return net::Frame();
+    net::Frame reply;
+    if (socket_.receive(decoder_, reply, 10000) != net::Socket::Status::Ok)
+      return std::nullopt;
+    return reply;
+  }
+
+  /// The next frame from the server, if one comes within 10 s.
+  std::optional<net::Frame> receive() {
     net::Frame reply;
     if (socket_.receive(decoder_, reply, 10000) != net::Socket::Status::Ok)
       return std::nullopt;
@@ -910,6 +921,87 @@ TEST(Faults, HandlesAreAny64BitValue) {
   ASSERT_EQ(results[0].getData().size(), 12u);
   std::memcpy(v.data(), results[0].getData().begin(), 12);
   EXPECT_EQ(v, (std::vector<float>{1, 4, 9}));
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, AFrameThatStallsAfterAuthenticationIsClosedByTheFrameTimeout) {
+  Beside beside;
+  Peer bad;
+  bad.hello();
+  // The header of a 1 MiB frame and 100 of its bytes, then nothing (the server runs with
+  // --frame-timeout 2).
+  char header[net::kHeaderBytes];
+  uint32_t magic = net::kMagic, flags = 0;
+  uint64_t length = 1 << 20;
+  memcpy(header, &magic, 4);
+  memcpy(header + 4, &flags, 4);
+  memcpy(header + 8, &length, 8);
+  auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(bad.sendRaw(std::string(header, sizeof header) + std::string(100, '\0')));
+  EXPECT_TRUE(bad.closedByServer());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, AClientThatNeverReadsItsRepliesIsThrottledAndLosesNothing) {
+  Beside beside;
+  Peer lazy;
+  lazy.hello();
+  ir::TensorMeta big = ir::TensorMeta::contiguous(ir::dtype::Int, {1 << 23}); // 32 MiB
+  std::vector<int32_t> values(1 << 23);
+  for (size_t i = 0; i < values.size(); ++i)
+    values[i] = int32_t(i * 7);
+  ASSERT_TRUE(lazy.send(true, 1, [&](auto cmds) {
+    uploadChunk(cmds[0], 41, big, 32u << 20, 0,
+                kj::arrayPtr(reinterpret_cast<const kj::byte *>(values.data()), 32u << 20));
+  }, /*pack=*/false));
+  // 40 downloads of it, 1.25 GiB of replies, and none read for a while: the server holds at
+  // most --max-buffered-mib (64) of them and stops reading this client meanwhile.
+  constexpr int kFrames = 40;
+  for (int k = 0; k < kFrames; ++k)
+    ASSERT_TRUE(lazy.send(true, 1, [&](auto cmds) {
+      auto down = cmds[0].initDownload();
+      down.setHandle(41);
+      wire::encodeMeta(big, down.initMeta());
+    }, /*pack=*/true, /*wait=*/false));
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  EXPECT_LT(serverRssMiB(), kRssBoundMiB);
+  EXPECT_TRUE(server().alive());
+  // Every reply then arrives, whole and right.
+  for (int k = 0; k < kFrames; ++k) {
+    auto reply = lazy.receive();
+    ASSERT_TRUE(reply) << "reply " << k;
+    auto r = net::openFrame(*reply, wire::Limits());
+    auto results = r->getRoot<wire::ServerFrame>().getResults();
+    ASSERT_EQ(results.size(), 1u);
+    ASSERT_EQ(results[0].getData().size(), size_t(32) << 20);
+    EXPECT_EQ(std::memcmp(results[0].getData().begin(), values.data(), 32u << 20), 0);
+  }
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, ASessionPastItsMemoryQuotaGetsAnErrorAndGoesOn) {
+  Beside beside;
+  Peer greedy;
+  greedy.hello();
+  // The server runs with --session-memory 256MiB: the first chunk of a 512 MiB upload is where
+  // its buffer would be allocated.
+  ir::TensorMeta huge = ir::TensorMeta::contiguous(ir::dtype::Float, {int64_t(1) << 27});
+  const kj::byte chunk[16] = {};
+  auto reply = greedy.send(true, 1, [&](auto cmds) {
+    uploadChunk(cmds[0], 50, huge, uint64_t(512) << 20, 0, kj::arrayPtr(chunk, 16));
+  });
+  ASSERT_TRUE(reply);
+  std::string error = Peer::errorOf(*reply);
+  EXPECT_NE(error.find("past its memory quota of 256 MiB (--session-memory"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("allocating 512 MiB"), std::string::npos) << error;
+  // Its handle holds that error; the session computes on.
+  EXPECT_EQ(greedy.squareOnServer(), (std::vector<float>{1, 4, 9}));
+  EXPECT_LT(serverRssMiB(), kRssBoundMiB);
   EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }

@@ -1,0 +1,57 @@
+//===- server/Memory.h - Memory quotas: who holds how many bytes ----------===//
+//
+// Every CPU allocation libtorch makes goes through one allocator (c10::GetAllocator(kCPU)).
+// install() puts an accounting allocator in front of it: each allocation is charged to the
+// account of the session whose frame the allocating thread is serving (a Charge in scope), and
+// to the server as a whole; each free credits the same account, from whatever thread it happens
+// on. An allocation that would take a session past its quota (--session-memory) or the server
+// past its limit (--memory-limit) throws c10::OutOfMemoryError, which the plan reports as that
+// op's error: the session gets an rgpu.RemoteError naming the quota, and goes on.
+//
+// What is counted: tensors (device tensors of a CPU server, partial uploads, download staging)
+// and anything else libtorch allocates through its CPU allocator. Frames and Cap'n Proto
+// buffers are bounded by the connection limits instead. A CUDA server's device memory comes
+// from CUDA's caching allocator, which is not wrapped; there the quota counts host memory only
+// and CUDA's own OutOfMemoryError becomes the same kind of RemoteError.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace rgpu::server::memory {
+
+/// One session's bytes. Outlives its session while any tensor charged to it lives.
+struct Account {
+  uint64_t quota = 0; ///< 0: none (the server's limit still applies).
+  std::atomic<uint64_t> held{0}, peak{0}, refused{0};
+};
+
+/// Installs the accounting allocator (once; later calls only change the limit). \p limit is
+/// the server's total in bytes, 0 for none.
+void install(uint64_t limit);
+/// The server's limit and the bytes charged to every account and to none.
+uint64_t limit();
+uint64_t held();
+
+/// While a Charge lives, this thread's CPU allocations are charged to \p account.
+class Charge {
+public:
+  explicit Charge(const std::shared_ptr<Account> &account);
+  ~Charge();
+  Charge(const Charge &) = delete;
+  Charge &operator=(const Charge &) = delete;
+
+private:
+  const std::shared_ptr<Account> *previous_;
+};
+
+/// "8GiB", "512 MiB", "64k", "1.5G" (powers of 1024; a bare number is bytes) into \p bytes.
+bool parseSize(const std::string &text, uint64_t &bytes);
+/// 1536 -> "1.5 KiB".
+std::string sizeText(uint64_t bytes);
+
+} // namespace rgpu::server::memory
