@@ -147,6 +147,7 @@ Compiler::Compiler(CompilerOptions options, at::Device device)
   std::error_code ec;
   fs::create_directories(options_.cacheDir + "/inductor", ec);
   sweepTemporaries(options_.cacheDir + "/inductor");
+  trimDisk(""); // a server started with a smaller --disk-cache than the last one
   for (unsigned i = 0; i < std::max(1u, options_.jobs); ++i)
     threads_.emplace_back([this] { work(); });
 }

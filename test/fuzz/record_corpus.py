@@ -14,6 +14,7 @@ import re
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -110,6 +111,8 @@ def frames(stream):
 
 
 def main():
+    # The server's token lives in a directory of this run, where its clients find it too.
+    os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="rgpu-corpus-config-")
     server = subprocess.Popen([OPSERVER, "--device", "cpu", "--port", "0", "--compiler", "plan"],
                               stderr=subprocess.PIPE, text=True)
     port = None

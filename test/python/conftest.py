@@ -35,7 +35,7 @@ class Server:
     `socket=PATH` (then it has no TCP listener unless args ask for one); `socket="default"`
     starts it with neither --socket nor --port, on its default socket."""
 
-    def __init__(self, *args, socket=None, env=None):
+    def __init__(self, *args, socket=None, env=None, preexec_fn=None):
         # Tests pick the plan executor unless they test compiling: background Inductor compiles
         # would compete for this machine's cores with every other test.
         if "--compiler" not in args:
@@ -44,6 +44,7 @@ class Server:
         self.proc = subprocess.Popen(
             [opserver_path(), "--device", "cpu", *where, *args],
             env=dict(os.environ, **(env or {})),
+            preexec_fn=preexec_fn,
             stderr=subprocess.PIPE,
             text=True,
         )

@@ -167,3 +167,21 @@ def test_the_inductor_compiler_needs_a_python():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "RGPU_PYTHON" in r.stderr
+
+
+def test_caches_smaller_than_the_compiled_graphs_evict_and_train_the_same(tmp_path):
+    # Two compiled graphs (forward and backward) and room for one in memory: each load unloads
+    # the other, which reloads from the cache directory when it is hot again.
+    out, log = run_on_new_server(str(tmp_path), "compiled-mlp", "--compiled-cache", "1")
+    stats = out["stats"]  # the client checked the losses against the CPU's
+    assert stats["compiled_evictions"] >= 1 and stats["disk_cache_hits"] >= 1, stats
+    assert "inductor package unloaded, the least recently run past --compiled-cache" in log
+    packages = lambda: [f for f in os.listdir(tmp_path / "inductor") if f.endswith(".pt2")]
+    assert len(packages()) >= 2
+    # A server given less room on disk deletes the least recently used packages as it starts.
+    server = inductor_server(str(tmp_path), "--disk-cache", "1")
+    try:
+        wait_for_log(server, "the least recently used package past --disk-cache")
+        assert len(packages()) == 1
+    finally:
+        server.stop()

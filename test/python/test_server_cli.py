@@ -16,7 +16,9 @@ def test_help_explains_every_flag():
     r = run("--help")
     assert r.returncode == 0
     for flag in ("--device", "--port", "--bind", "--compiler", "--max-frame-mib",
-                 "--max-tensor-mib", "--compile-timeout", "--refused-ops", "--max-connections"):
+                 "--max-tensor-mib", "--compile-timeout", "--refused-ops", "--max-connections",
+                 "--memory-limit", "--session-memory", "--graph-memory", "--plan-cache",
+                 "--compiled-cache", "--disk-cache", "--compile-queue"):
         assert flag in r.stdout
 
 

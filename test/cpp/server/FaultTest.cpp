@@ -1005,3 +1005,54 @@ TEST(Faults, ASessionPastItsMemoryQuotaGetsAnErrorAndGoesOn) {
   EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }
+
+/// The server's user and system CPU time so far, in seconds.
+double serverCpuSeconds() {
+  FILE *f = fopen(("/proc/" + std::to_string(server().pid) + "/stat").c_str(), "r");
+  if (!f)
+    return -1;
+  char buf[2048];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  // Fields 14 and 15 (utime, stime) follow the command name, which ends at the last ')'.
+  const char *p = std::strrchr(buf, ')');
+  unsigned long long utime = 0, stime = 0;
+  if (!p || std::sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
+                        &stime) != 2)
+    return -1;
+  return double(utime + stime) / double(sysconf(_SC_CLK_TCK));
+}
+
+TEST(Faults, AClosedSessionsQueuedRunsAreDropped) {
+  ir::TensorMeta m = ir::TensorMeta::contiguous(ir::dtype::Float, {1024, 1024});
+  ir::Graph g;
+  g.inputs = {m};
+  ir::Node n;
+  n.op = ir::Symbol::get("aten::mm");
+  n.operands = {0, 0};
+  n.args = {ir::Arg::ref(ir::Arg::Kind::Tensor, 0), ir::Arg::ref(ir::Arg::Kind::Tensor, 1)};
+  n.outputs = {m};
+  g.nodes.push_back(n);
+  g.outputs = {1};
+  {
+    Peer gone;
+    gone.hello();
+    std::vector<kj::byte> zeros(4u << 20);
+    ASSERT_TRUE(gone.send(true, 2, [&](auto cmds) {
+      uploadChunk(cmds[0], 60, m, 4u << 20, 0, kj::arrayPtr(zeros.data(), zeros.size()));
+      defineIn(cmds[1], g);
+    }, /*pack=*/false));
+    // Seconds of 1024x1024 matmuls in one frame, then the client is gone.
+    ASSERT_TRUE(gone.send(false, 2000, [&](auto cmds) {
+      for (auto c : cmds)
+        runIn(c, ir::hashGraph(g), {60}, 61, 1);
+    }));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  double before = serverCpuSeconds();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  double used = serverCpuSeconds() - before;
+  EXPECT_LT(used, 0.3) << "the server went on running a closed session's frame";
+  expectGoodSessionUnaffected();
+}
