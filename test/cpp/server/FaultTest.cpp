@@ -38,7 +38,7 @@ struct ServerProcess {
       int null = open("/dev/null", O_WRONLY);
       dup2(null, 1);
       execl(RGPU_OPSERVER_PATH, RGPU_OPSERVER_PATH, "--device", "cpu", "--socket",
-            socket.c_str(), "--max-frame-mib", "64", "--frame-timeout", "2",
+            socket.c_str(), "--max-frame-mib", "1024", "--frame-timeout", "2",
             "--session-memory", "256MiB", nullptr);
       _exit(127);
     }
@@ -929,16 +929,19 @@ TEST(Faults, AFrameThatStallsAfterAuthenticationIsClosedByTheFrameTimeout) {
   Beside beside;
   Peer bad;
   bad.hello();
-  // The header of a 1 MiB frame and 100 of its bytes, then nothing (the server runs with
-  // --frame-timeout 2).
+  // The header of a 1 GiB frame (the server takes frames up to 1 GiB) and 100 of its bytes,
+  // then nothing: the buffer grows only with what arrives, and --frame-timeout 2 closes it.
+  double before = serverRssMiB();
   char header[net::kHeaderBytes];
   uint32_t magic = net::kMagic, flags = 0;
-  uint64_t length = 1 << 20;
+  uint64_t length = uint64_t(1) << 30;
   memcpy(header, &magic, 4);
   memcpy(header + 4, &flags, 4);
   memcpy(header + 8, &length, 8);
   auto start = std::chrono::steady_clock::now();
   ASSERT_TRUE(bad.sendRaw(std::string(header, sizeof header) + std::string(100, '\0')));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_LT(serverRssMiB() - before, 16);
   EXPECT_TRUE(bad.closedByServer());
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   EXPECT_TRUE(beside.finish());
