@@ -65,6 +65,70 @@ void Context::keep(const std::shared_ptr<const Plan> &plan) {
   }
 }
 
+Context::~Context() = default;
+
+void Context::activate(const std::string &id, uint64_t connId) {
+  std::lock_guard<std::mutex> lock(parkMu_);
+  active_[id] = connId;
+}
+
+void Context::deactivate(const std::string &id) {
+  std::lock_guard<std::mutex> lock(parkMu_);
+  active_.erase(id);
+  parkCv_.notify_all();
+}
+
+void Context::park(std::unique_ptr<Session> session) {
+  std::string id = session->id();
+  session->detach();
+  std::unique_ptr<Session> replaced;
+  {
+    std::lock_guard<std::mutex> lock(parkMu_);
+    active_.erase(id);
+    Parked &p = parked_[id];
+    replaced = std::move(p.session); // a client reusing an id: the older one goes
+    p.session = std::move(session);
+    p.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(sessionGraceMs);
+  }
+  parkCv_.notify_all();
+}
+
+std::unique_ptr<Session> Context::takeParked(const std::string &id, const std::string &principal) {
+  std::unique_lock<std::mutex> lock(parkMu_);
+  if (auto it = active_.find(id); it != active_.end() && closeConnection)
+    closeConnection(it->second); // the old connection is dead to its client: take it over
+  parkCv_.wait_for(lock, std::chrono::seconds(30), [&] { return !active_.count(id); });
+  auto it = parked_.find(id);
+  if (it == parked_.end() || it->second.session->principal() != principal)
+    return nullptr;
+  std::unique_ptr<Session> session = std::move(it->second.session);
+  parked_.erase(it);
+  return session;
+}
+
+size_t Context::expireParked() {
+  std::vector<std::unique_ptr<Session>> expired;
+  {
+    std::lock_guard<std::mutex> lock(parkMu_);
+    auto now = std::chrono::steady_clock::now();
+    for (auto it = parked_.begin(); it != parked_.end();) {
+      if (it->second.deadline <= now) {
+        expired.push_back(std::move(it->second.session));
+        it = parked_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  sessionsExpired += expired.size();
+  return expired.size(); // destroyed here, outside the lock: their tensors are freed
+}
+
+size_t Context::sessionsParked() {
+  std::lock_guard<std::mutex> lock(parkMu_);
+  return parked_.size();
+}
+
 std::shared_ptr<memory::Account> Context::openAccount() {
   auto account = std::make_shared<memory::Account>();
   account->quota = budgets.sessionMemory;
@@ -154,6 +218,8 @@ Session::~Session() {
   --ctx_.sessions;
   if (greeted_)
     --ctx_.greetedSessions;
+  if (!id_.empty())
+    ctx_.deactivate(id_);
 }
 
 void Session::fail(ErrorPtr error) {
@@ -162,6 +228,8 @@ void Session::fail(ErrorPtr error) {
 }
 
 namespace {
+constexpr size_t kSessionIdBytes = 16;
+
 /// An error that belongs to no node: a bad handle, a refused graph, a failed download.
 ErrorPtr sessionError(std::string message) {
   return std::make_shared<RemoteError>(RemoteError{"", std::move(message), ""});
@@ -189,6 +257,7 @@ FrameOutcome Session::handle(const net::Frame &frame) {
 }
 
 FrameOutcome Session::failure(const std::string &why) {
+  ended_ = true;
   std::string message = "rgpu-opserver could not serve this session (" + why +
                         "); the session is closed, the server goes on";
   log(peer_ + ": " + message);
@@ -219,14 +288,25 @@ FrameOutcome Session::serve(const net::Frame &frame) {
     auto cf = reader->getRoot<wire::ClientFrame>();
     seq = cf.getSeq();
     wantReply = cf.getWantReply();
+    outcome.seq = seq;
+    if (greeted_ && seq != 0 && seq <= lastSeq_) {
+      // Sent again after a resume, and executed before: never run twice.
+      if (wantReply && seq == lastReplySeq_ && lastReply_)
+        outcome.reply = *lastReply_;
+      return outcome;
+    }
+    if (seq > lastReplySeq_)
+      lastReply_.reset(); // the client had the last reply: it sent a later frame
     auto commands = cf.getCommands();
     if (commands.size() > ctx_.limits().maxCommands)
       fatal = "a frame of " + std::to_string(commands.size()) + " commands, more than the limit of " +
               std::to_string(ctx_.limits().maxCommands);
     uint64_t replyData = 0;
     for (auto cmd : commands) {
-      if (!fatal.empty() || (cancelled_ && cancelled_->load()))
-        break; // a connection that ended has its remaining commands dropped
+      // A connection that ended has its remaining commands dropped, unless the session waits
+      // for a resume: then the frame is run whole, so that a replay never runs half of it.
+      if (!fatal.empty() || adopted_ || (cancelled_ && cancelled_->load() && !resumable()))
+        break;
       if (!greeted_ && cmd.which() != wire::Command::HELLO) {
         fatal = "the first command of a session must be Hello";
         break;
@@ -241,6 +321,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         break;
       case wire::Command::DEFINE: define(cmd.getDefine()); break;
       case wire::Command::FORGET: forget(cmd.getForget()); break;
+      case wire::Command::BYE: ended_ = true; break;
       case wire::Command::RUN: {
         std::vector<std::vector<ir::TensorMeta>> metas;
         run(cmd.getRun(), metas);
@@ -307,8 +388,11 @@ FrameOutcome Session::serve(const net::Frame &frame) {
   if (!fatal.empty()) {
     log(peer_ + ": " + fatal + "; closing the connection");
     outcome.close = true;
+    ended_ = true;
     wantReply = true;
   }
+  if (greeted_ && seq > lastSeq_)
+    lastSeq_ = seq;
   if (!wantReply)
     return outcome;
 
@@ -317,18 +401,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
   for (size_t i = 0; i < results.size(); ++i) {
     ResultItem &item = results[i];
     switch (item.kind) {
-    case wire::Result::HELLO: {
-      auto h = rs[i].initHello();
-      h.setProtocol(wire::kProtocolVersion);
-      h.setTorchVersion(bridge::torchVersion());
-      h.setDevice(ctx_.device().str());
-      h.setCompiler(ctx_.compiler() ? "inductor" : "plan");
-      h.setGraphBudget(ctx_.budgets.graphMemory);
-      if (!serverMac.empty())
-        h.setServerMac(kj::arrayPtr(reinterpret_cast<const kj::byte *>(serverMac.data()),
-                                    serverMac.size()));
-      break;
-    }
+    case wire::Result::HELLO: fillHello(rs[i].initHello(), serverMac); break;
     case wire::Result::DATA: rs[i].setData(item.data); break;
     case wire::Result::METAS: {
       auto ms = rs[i].initMetas(item.metas.size());
@@ -367,7 +440,39 @@ FrameOutcome Session::serve(const net::Frame &frame) {
     dataBytes += item.data.size();
   outcome.reply = net::encodeFrame(reply, frame.bytes < (1u << 16) && results.size() <= 4 &&
                                               dataBytes < 4096);
+  if (adopted_) {
+    // The reply the client lost in the drop, if it did, follows the Hello's.
+    if (adopted_->lastReply_ && adopted_->lastReplySeq_ >= resumeFrom_)
+      outcome.reply += *adopted_->lastReply_;
+    outcome.adopted = std::move(adopted_);
+  }
   return outcome;
+}
+
+void Session::fillHello(wire::HelloReply::Builder h, const std::string &serverMac) {
+  auto data = [](const std::string &s) {
+    return kj::arrayPtr(reinterpret_cast<const kj::byte *>(s.data()), s.size());
+  };
+  h.setProtocol(wire::kProtocolVersion);
+  h.setTorchVersion(bridge::torchVersion());
+  h.setDevice(ctx_.device().str());
+  h.setCompiler(ctx_.compiler() ? "inductor" : "plan");
+  h.setGraphBudget(ctx_.budgets.graphMemory);
+  h.setInstance(data(ctx_.instance));
+  h.setSessionGrace(uint32_t(ctx_.sessionGraceMs / 1000));
+  if (!serverMac.empty())
+    h.setServerMac(data(serverMac));
+  if (adopted_) {
+    h.setResumed(true);
+    h.setLastSeq(adopted_->lastSeq_);
+  }
+}
+
+void Session::attach(std::string peer, const std::atomic<bool> *cancelled) {
+  log(peer + ": resumed the session of " + peer_ + " after its frame " + std::to_string(lastSeq_));
+  peer_ = std::move(peer);
+  cancelled_ = cancelled;
+  ++ctx_.resumes;
 }
 
 void Session::stats(wire::ServerStats::Builder out) {
@@ -396,6 +501,9 @@ void Session::stats(wire::ServerStats::Builder out) {
   out.setGraphBudget(ctx_.budgets.graphMemory);
   out.setGraphsForgotten(graphsForgotten_);
   out.setPlanEvictions(ctx_.planEvictions);
+  out.setSessionsParked(ctx_.sessionsParked());
+  out.setResumes(ctx_.resumes);
+  out.setSessionsExpired(ctx_.sessionsExpired);
   if (Compiler *c = ctx_.compiler()) {
     out.setCompiler("inductor");
     out.setInductorCompiles(c->compiles);
@@ -449,6 +557,18 @@ void Session::hello(wire::Hello::Reader r, std::string &fatal, std::string &serv
     fatal = "version mismatch: client speaks rgpu protocol " + std::to_string(r.getProtocol()) +
             ", this server speaks " + std::to_string(wire::kProtocolVersion);
     return;
+  }
+  if (r.hasSessionId() && r.getSessionId().size() == kSessionIdBytes) {
+    std::string id(reinterpret_cast<const char *>(r.getSessionId().begin()), kSessionIdBytes);
+    if (r.getResumeFrom() == 0) {
+      id_ = id;
+    } else {
+      resumeFrom_ = r.getResumeFrom();
+      if ((adopted_ = ctx_.takeParked(id, principal())))
+        return; // this session only answered the Hello; the one it found goes on
+      // Answered "not resumed" (the client then says the session is lost), and not resumable.
+      log(peer_ + ": asked to resume a session this server does not hold");
+    }
   }
   if (++ctx_.greetedSessions > ctx_.maxSessions) {
     --ctx_.greetedSessions;

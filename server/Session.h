@@ -17,6 +17,9 @@
 
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
 #include <list>
 #include <map>
 #include <mutex>
@@ -30,6 +33,8 @@ struct Budgets {
   uint64_t graphMemory = uint64_t(64) << 20; ///< --graph-memory: graphs one session holds
   uint64_t planCache = uint64_t(256) << 20;  ///< --plan-cache: plans kept once unheld
 };
+
+class Session;
 
 /// State shared by every session of one server: the device, the graph cache and the compiler.
 ///
@@ -53,6 +58,27 @@ public:
   std::shared_ptr<const Plan> define(const ir::Hash128 &hash, ir::Graph graph, std::string &error);
 
   Budgets budgets;
+
+  /// Resuming. A session whose client gave it an id is parked when its connection ends, for
+  /// sessionGraceMs; a Hello asking to resume it (with the same kind of authentication) takes
+  /// it back. One still attached to a connection (the server has not seen the old connection
+  /// end) is taken over: that connection is closed (closeConnection, set by the I/O loop's
+  /// owner) and the session parked first.
+  uint64_t sessionGraceMs = 120000;
+  std::string instance; ///< 8 random bytes for this process
+  std::function<void(uint64_t connId)> closeConnection;
+  void activate(const std::string &id, uint64_t connId);
+  void deactivate(const std::string &id);
+  void park(std::unique_ptr<Session> session);
+  /// The parked session \p id if \p principal may have it, waiting a few seconds for one
+  /// still attached to be parked; null if there is none.
+  std::unique_ptr<Session> takeParked(const std::string &id, const std::string &principal);
+  /// Drops parked sessions whose grace has passed; returns how many.
+  size_t expireParked();
+  size_t sessionsParked();
+  std::atomic<uint64_t> resumes{0}, sessionsExpired{0};
+  ~Context();
+
   /// A new session's memory account, listed for sessionMemories.
   std::shared_ptr<memory::Account> openAccount();
   /// The bytes each open session holds, largest first.
@@ -82,12 +108,23 @@ private:
   void keep(const std::shared_ptr<const Plan> &plan); // under mu_
   std::mutex accountsMu_;
   std::vector<std::weak_ptr<memory::Account>> accounts_;
+  struct Parked {
+    std::unique_ptr<Session> session;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::mutex parkMu_;
+  std::condition_variable parkCv_;
+  std::map<std::string, Parked> parked_;      ///< under parkMu_
+  std::map<std::string, uint64_t> active_;    ///< under parkMu_: id -> connection
 };
 
 /// The outcome of handling one frame.
 struct FrameOutcome {
   std::string reply; ///< A framed ServerFrame to send, or empty.
   bool close = false; ///< The frame was malformed: close the connection after the reply.
+  uint64_t seq = 0;   ///< The frame's sequence number (0 for a Hello).
+  /// A Hello that resumed a parked session: it replaces the one that served the Hello.
+  std::unique_ptr<Session> adopted;
 };
 
 /// How a session's peer proves who it is, decided by the transport it came in on.
@@ -112,6 +149,21 @@ public:
   FrameOutcome handle(const net::Frame &frame);
   /// The session's Hello was accepted (its peer is authenticated).
   bool greeted() const { return greeted_; }
+  /// Its client gave it an id and has not said Bye: it is parked when its connection ends.
+  bool resumable() const { return greeted_ && !id_.empty() && !ended_; }
+  const std::string &id() const { return id_; }
+  /// Who may resume it: "uid" (a Unix-socket peer of the server's uid) or "token".
+  std::string principal() const { return admission_.challenge.empty() ? "uid" : "token"; }
+  /// Parked: no connection's end cancels its commands any more.
+  void detach() { cancelled_ = nullptr; }
+  /// Resumed on a new connection.
+  void attach(std::string peer, const std::atomic<bool> *cancelled);
+  /// Keeps the reply to frame \p seq until the client sends a later frame: a client that lost
+  /// it in a drop gets it again when it resumes.
+  void keepReply(uint64_t seq, std::shared_ptr<const std::string> reply) {
+    lastReplySeq_ = seq;
+    lastReply_ = std::move(reply);
+  }
 
 private:
   struct Partial; // an upload arriving in chunks
@@ -140,6 +192,14 @@ private:
   Admission admission_;
   const std::atomic<bool> *cancelled_;
   bool greeted_ = false;
+  std::string id_;           ///< The client's session id; empty: not resumable.
+  bool ended_ = false;       ///< Bye, or a protocol error: never parked.
+  uint64_t lastSeq_ = 0;     ///< The last frame executed.
+  uint64_t lastReplySeq_ = 0;
+  std::shared_ptr<const std::string> lastReply_;
+  std::unique_ptr<Session> adopted_; ///< What this session's resume Hello found.
+  uint64_t resumeFrom_ = 0;
+  void fillHello(wire::HelloReply::Builder h, const std::string &serverMac);
   wire::Error::Kind fatalKind_ = wire::Error::Kind::PROTOCOL;
   at::Generator generator_;
   /// Keyed by the client's handles: any 64-bit value, so not an llvm::DenseMap, which reserves

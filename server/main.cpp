@@ -84,7 +84,9 @@ options:
                          yet sent, in MiB (default 64); past it the server stops reading
                          from that client until it catches up
   --workers N            threads executing sessions' frames (default: the number of
-                         cores, at least 4)
+                         cores, at least 4; at least 2)
+  --session-grace S      seconds a session whose connection dropped is kept, with its
+                         tensors, for its client to resume it (default 120)
   --max-tensor-mib N     largest tensor a graph may hold or a client may upload, in MiB
                          (default: this machine's physical memory)
 
@@ -120,6 +122,8 @@ executor.
 
 struct Server;
 
+constexpr uint64_t kHeartbeatMs = 500;
+
 /// What the I/O loop and the worker pool share of one connection: its queue of frames and, once
 /// its first frame is served, its Session. At most one pool thread serves it at a time, so its
 /// frames run in order.
@@ -137,6 +141,7 @@ struct Slot {
   std::atomic<uint64_t> queuedBytes{0}; ///< of the frames in queue
   std::atomic<uint64_t> outBytes{0};    ///< of replies posted and not yet written
   std::unique_ptr<Session> session;     ///< touched only by the pool thread serving the slot
+  bool activated = false;               ///< its session is listed as resumable on this slot
 };
 
 struct Connection {
@@ -157,6 +162,7 @@ struct Connection {
   bool waiting = false;                               ///< in Server::waiting
   bool closing = false;
   bool reading = false;
+  uint64_t lastWriteMs = 0;
   Connection(uint64_t maxFrame) : decoder(maxFrame) {}
   uv_stream_t *stream() { return reinterpret_cast<uv_stream_t *>(&h); }
   uv_handle_t *handle() { return reinterpret_cast<uv_handle_t *>(&h); }
@@ -164,7 +170,7 @@ struct Connection {
 
 struct Outgoing {
   uint64_t conn;
-  std::string bytes;
+  std::shared_ptr<const std::string> bytes; ///< null: nothing to write
   bool close;
 };
 
@@ -199,6 +205,7 @@ struct Server {
   std::string socketPath; ///< removed at exit
   std::string token;      ///< for TCP peers; empty if there is no TCP listener
   uv_async_t wake;
+  uv_timer_t ticker; ///< heartbeats, and parked sessions whose grace passed
   uv_signal_t sigint, sigterm;
   std::unique_ptr<Context> ctx;
   ConnectionLimits limits;
@@ -281,9 +288,12 @@ void serveSlots(Server *server) {
       }
     }
     if (stop) {
-      // The session ends here, off the loop: its tensors are freed, and its memory goes back
-      // to the system, not only to this thread's malloc arena. It is never scheduled again.
-      if (slot->session) {
+      // The session is parked for a resume, or ends here, off the loop: its tensors are freed,
+      // and its memory goes back to the system, not only to this thread's malloc arena. The
+      // slot is never scheduled again.
+      if (slot->session && slot->session->resumable()) {
+        server->ctx->park(std::move(slot->session));
+      } else if (slot->session) {
         slot->session.reset();
         malloc_trim(0);
       }
@@ -295,11 +305,22 @@ void serveSlots(Server *server) {
                                                 &slot->cancelled);
     FrameOutcome out = slot->session->handle(frame);
     frame = net::Frame(); // its bytes go before the reply is sent
+    if (out.adopted) {
+      slot->session = std::move(out.adopted);
+      slot->session->attach(slot->peer, &slot->cancelled);
+    }
+    if (slot->session->resumable() && !slot->activated) {
+      server->ctx->activate(slot->session->id(), slot->connId);
+      slot->activated = true;
+    }
     // Set before the reply is posted: the loop reads it when it lets larger frames in.
     slot->greeted = slot->session->greeted();
     if (!out.reply.empty() || out.close || slot->readPaused) {
-      slot->outBytes += out.reply.size();
-      server->post({slot->connId, std::move(out.reply), out.close});
+      auto bytes = std::make_shared<const std::string>(std::move(out.reply));
+      if (out.seq && !bytes->empty() && slot->session->resumable())
+        slot->session->keepReply(out.seq, bytes);
+      slot->outBytes += bytes->size();
+      server->post({slot->connId, bytes->empty() ? nullptr : bytes, out.close});
     }
     {
       std::lock_guard<std::mutex> lock(slot->mu);
@@ -413,20 +434,21 @@ void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
 }
 
 /// Writes \p bytes to \p c; closes it afterwards if \p close.
-void write(Connection *c, std::string bytes, bool close) {
+void write(Connection *c, std::shared_ptr<const std::string> bytes, bool close) {
   struct Write {
     uv_write_t req;
-    std::string bytes;
+    std::shared_ptr<const std::string> bytes;
     Connection *conn;
     bool close;
   };
+  c->lastWriteMs = uv_now(c->server->loop);
   auto *w = new Write{{}, std::move(bytes), c, close};
-  uv_buf_t buf = uv_buf_init(w->bytes.data(), w->bytes.size());
+  uv_buf_t buf = uv_buf_init(const_cast<char *>(w->bytes->data()), w->bytes->size());
   w->req.data = w;
   int rc = uv_write(&w->req, c->stream(), &buf, 1, [](uv_write_t *req, int) {
     auto *w = static_cast<Write *>(req->data);
     Connection *conn = w->conn;
-    conn->slot->outBytes -= w->bytes.size();
+    conn->slot->outBytes -= w->bytes->size();
     if (w->close) {
       closeConnection(conn);
     } else {
@@ -436,7 +458,7 @@ void write(Connection *c, std::string bytes, bool close) {
     delete w;
   });
   if (rc != 0) {
-    c->slot->outBytes -= w->bytes.size();
+    c->slot->outBytes -= w->bytes->size();
     delete w;
     closeConnection(c);
   }
@@ -450,8 +472,8 @@ void refuse(Connection *c, const std::string &why, wire::Error::Kind kind) {
     std::lock_guard<std::mutex> lock(c->slot->mu);
     c->slot->stopped = true;
   }
-  std::string frame = errorFrame(why, kind);
-  c->slot->outBytes += frame.size();
+  auto frame = std::make_shared<const std::string>(errorFrame(why, kind));
+  c->slot->outBytes += frame->size();
   write(c, std::move(frame), true);
 }
 
@@ -563,8 +585,8 @@ void onConnection(uv_stream_t *stream, int status) {
     const std::string &nonce = c->slot->admission.challenge;
     b.initRoot<wire::ServerFrame>().initChallenge().setNonce(
         kj::arrayPtr(reinterpret_cast<const kj::byte *>(nonce.data()), nonce.size()));
-    std::string frame = net::encodeFrame(b, true);
-    c->slot->outBytes += frame.size();
+    auto frame = std::make_shared<const std::string>(net::encodeFrame(b, true));
+    c->slot->outBytes += frame->size();
     write(c, std::move(frame), false);
   }
 }
@@ -583,13 +605,41 @@ void onWake(uv_async_t *handle) {
     Connection *c = it->second;
     if (c->slot->greeted)
       leaveWaiting(c);
-    if (!o.bytes.empty())
+    if (o.bytes)
       write(c, std::move(o.bytes), o.close);
     else if (o.close)
       closeConnection(c);
     else
       updateReading(c); // a frame was served: room to read again, perhaps
   }
+}
+
+/// Every half second: a heartbeat to each client whose frames are being served and that has
+/// heard nothing for that long (so it can tell a busy server from a hung one), and parked
+/// sessions whose grace passed are dropped.
+void onTick(uv_timer_t *t) {
+  auto *server = static_cast<Server *>(t->data);
+  static const auto heartbeat = [] {
+    capnp::MallocMessageBuilder b;
+    b.initRoot<wire::ServerFrame>().setHeartbeat(true);
+    return std::make_shared<const std::string>(net::encodeFrame(b, true));
+  }();
+  uint64_t now = uv_now(server->loop);
+  std::vector<Connection *> busy;
+  for (auto &[id, c] : server->conns) {
+    if (c->closing || !c->slot->greeted || now - c->lastWriteMs < kHeartbeatMs)
+      continue;
+    std::lock_guard<std::mutex> lock(c->slot->mu);
+    if (c->slot->scheduled || !c->slot->queue.empty())
+      busy.push_back(c);
+  }
+  for (Connection *c : busy) {
+    c->slot->outBytes += heartbeat->size();
+    write(c, heartbeat, false);
+  }
+  if (size_t n = server->ctx->expireParked())
+    log(std::to_string(n) + " disconnected session(s) dropped: not resumed within " +
+        std::to_string(server->ctx->sessionGraceMs / 1000) + " s (--session-grace)");
 }
 
 void onSignal(uv_signal_t *handle, int signum) {
@@ -687,6 +737,7 @@ int main(int argc, char **argv) {
   limits.maxTensorBytes = physical;
   Budgets budgets;
   uint64_t memoryLimit = physical / 100 * 85;
+  uint64_t sessionGraceMs = 120000;
   auto seconds = [](const std::string &v) { return uint64_t(std::max(0.05, std::stod(v)) * 1000); };
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -749,7 +800,9 @@ int main(int argc, char **argv) {
       } else if (a == "--max-buffered-mib") {
         conn.bufferedBytes = std::max<uint64_t>(1, std::stoull(value())) << 20;
       } else if (a == "--workers") {
-        workers = std::max(1, std::stoi(value()));
+        workers = std::max(2, std::stoi(value())); // one may wait for a session to be parked
+      } else if (a == "--session-grace") {
+        sessionGraceMs = uint64_t(std::max(0.0, std::stod(value())) * 1000);
       } else if (a == "--max-tensor-mib") {
         limits.maxTensorBytes = std::stoull(value()) << 20;
       } else if (a == "--max-frame-mib") {
@@ -827,6 +880,11 @@ int main(int argc, char **argv) {
   server.ctx = std::make_unique<Context>(dev, limits, std::move(inductor));
   server.ctx->maxSessions = maxConnections;
   server.ctx->budgets = budgets;
+  server.ctx->sessionGraceMs = sessionGraceMs;
+  server.ctx->instance = net::auth::randomBytes(8);
+  server.ctx->closeConnection = [&server](uint64_t connId) {
+    server.post({connId, nullptr, true});
+  };
   memory::install(memoryLimit);
   server.limits = conn;
   server.loop = uv_default_loop();
@@ -854,6 +912,9 @@ int main(int argc, char **argv) {
   }
   uv_async_init(server.loop, &server.wake, onWake);
   server.wake.data = &server;
+  uv_timer_init(server.loop, &server.ticker);
+  server.ticker.data = &server;
+  uv_timer_start(&server.ticker, onTick, kHeartbeatMs, kHeartbeatMs);
   uv_signal_init(server.loop, &server.sigint);
   uv_signal_start(&server.sigint, onSignal, SIGINT);
   uv_signal_init(server.loop, &server.sigterm);

@@ -25,11 +25,11 @@ constexpr uint64_t kPackBelow = 64 << 10;
 constexpr uint64_t kSlowWaitNs = 1'000'000'000;
 /// Uploads up to this size wait for the next frame; larger ones are sent at once.
 constexpr uint64_t kSmallUpload = 64 << 10;
+/// Bytes of frames sent without a reply after which the next frame waits for one.
+constexpr uint64_t kMaxUnacknowledged = uint64_t(256) << 20;
 /// A trace that never syncs is cut (without waiting) after this many nodes.
 constexpr uint64_t kNodeCap = 20000;
 
-/// "2.13.0" -> "2.13": op schemas are stable within a minor release.
-std::string minorOf(const std::string &v) { return v.substr(0, v.find('.', v.find('.') + 1)); }
 } // namespace
 
 void setErrorRaiser(ErrorRaiser raiser) { gRaiser = raiser; }
@@ -63,14 +63,12 @@ Session &Session::get() {
   return *session;
 }
 
-Session::Session() { cacheDir_ = wire::defaultCacheDir(); }
-
-std::string Session::server() const {
-  if (!address_.empty())
-    return address_;
-  const char *env = std::getenv("RGPU_OPSERVER");
-  return env && *env ? env : "unix:" + net::auth::defaultSocketPath();
+Session::Session()
+    : transport_([this](int level, const std::string &message) { log(level, message); }) {
+  cacheDir_ = wire::defaultCacheDir();
 }
+
+std::string Session::server() const { return transport_.address(); }
 
 void Session::log(int level, const std::string &message) {
   if (logSink_ && (level > 10 || logDebug_))
@@ -118,8 +116,51 @@ const std::string &Session::locationText(uint32_t id) {
 
 void Session::release(uint64_t handle) {
   std::lock_guard<std::recursive_mutex> lock(mu);
-  if (!lost())
+  if (!lost() && handle >= firstHandle_)
     releases_.push_back(handle);
+}
+
+void Session::checkCurrent(const Value &v) {
+  if (!v.pending() && v.data && v.data->handle < firstHandle_)
+    raise(ErrorKind::SessionLost,
+          "this tensor belonged to an rgpu session that was lost; rgpu.reset() started a new "
+          "one, and the tensor's value is gone: create it again");
+}
+
+void Session::close() {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  if (!lost() && transport_.connected()) {
+    try {
+      flush(false); // what is queued still runs; then the server keeps nothing of the session
+    } catch (...) {
+    }
+  }
+  transport_.close();
+}
+
+void Session::reset() {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  transport_.reset();
+  queue_.clear();
+  releases_.clear();
+  group_.clear();
+  fetched_.clear();
+  held_.clear();
+  heldIndex_.clear();
+  heldBytes_ = 0;
+  runsInFrame_.clear();
+  nodesSinceCut_ = 0;
+  // Every live tensor of the old session now names handle 0, below every handle of the new
+  // one: using it raises (checkCurrent), and freeing it sends nothing.
+  firstHandle_ = nextHandle_;
+  for (LazyTensorImpl *impl = head_; impl; impl = impl->next) {
+    ir::TensorMeta meta = impl->value.pending()
+                              ? impl->value.node->node.outputs[impl->value.index]
+                              : impl->value.data->meta;
+    impl->value = Value{nullptr, 0, llvm::IntrusiveRefCntPtr<DeviceData>(
+                                        new DeviceData(0, std::move(meta)))};
+  }
+  log(20, "rgpu: a new session starts at the next operation (rgpu.reset())");
 }
 
 void Session::seed(uint64_t value) {
@@ -132,7 +173,7 @@ void Session::seed(uint64_t value) {
 
 void Session::queue(Command c) {
   if (lost())
-    raise(ErrorKind::SessionLost, lostReason_);
+    raise(ErrorKind::SessionLost, transport_.lostReason());
   queue_.push_back(std::move(c));
 }
 
@@ -205,8 +246,8 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
     locs.push_back(t.clientLocs[node.loc]);
   log(10, std::string("cut (") + reason + ") at " + locationText(site_) + ": " +
               std::to_string(c.graph.nodes.size()) + " nodes, graph " + c.hash.hex().substr(0, 12));
-  if (!lost() && !socket_.connected())
-    connect(); // the graph budget comes with the Hello's reply
+  if (!lost() && !transport_.connected())
+    transport_.connect(); // the graph budget comes with the Hello's reply
   uint64_t bytes = ir::graphBytes(c.graph);
   if (hold(c.hash, bytes)) {
     Command def;
@@ -237,7 +278,8 @@ bool Session::hold(const ir::Hash128 &hash, uint64_t bytes) {
   }
   Command forget;
   forget.kind = wire::Command::FORGET;
-  while (graphBudget_ && heldBytes_ + bytes > graphBudget_ && !held_.empty()) {
+  while (transport_.graphBudget() && heldBytes_ + bytes > transport_.graphBudget() &&
+         !held_.empty()) {
     // Its runs already queued come before this Forget; a later run defines it again.
     auto [victim, victimBytes] = held_.back();
     forget.hashes.push_back(victim);
@@ -374,7 +416,7 @@ void Session::markStep(bool wait, const char *reason, const std::string &executo
   uint32_t site = currentLocation();
   std::lock_guard<std::recursive_mutex> lock(mu);
   if (lost())
-    raise(ErrorKind::SessionLost, lostReason_);
+    raise(ErrorKind::SessionLost, transport_.lostReason());
   site_ = site;
   cut(reason, executor);
   if (wait) {
@@ -409,7 +451,7 @@ Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta) {
   meta = bridge::metaOf(cpu);
   uint64_t total = meta.storageBytes();
   uint64_t handle = newHandles(1);
-  uint64_t chunk = limits_.uploadChunkBytes;
+  uint64_t chunk = transport_.limits().uploadChunkBytes;
   for (uint64_t off = 0; off < total || off == 0; off += chunk) {
     Command c;
     c.kind = wire::Command::UPLOAD;
@@ -441,10 +483,11 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
   uint32_t site = currentLocation();
   std::lock_guard<std::recursive_mutex> lock(mu);
   if (lost())
-    raise(ErrorKind::SessionLost, lostReason_);
+    raise(ErrorKind::SessionLost, transport_.lostReason());
   site_ = site;
   if (impl->value.pending())
     cut("read of a value");
+  checkCurrent(impl->value);
   DeviceData *data = impl->value.data.get();
   if (auto it = fetched_.find(data); it != fetched_.end()) {
     Fetched &f = it->second;
@@ -458,7 +501,7 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
     }
   }
   const uint64_t bytes = want.storageBytes();
-  if (bytes > limits_.uploadChunkBytes)
+  if (bytes > transport_.limits().uploadChunkBytes)
     return downloadInChunks(*impl->value.data, want);
   // This tensor, and with it members of the download group that are not fetched yet, as many
   // as fit in one reply. The cut above made every live tensor device data. Members are matched
@@ -470,16 +513,16 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
   });
   if (inGroup) {
     fetched_.try_emplace(data, Fetched{impl->value.data, at::Tensor(), true});
-    uint64_t budget = limits_.maxReplyDataBytes - std::min(bytes, limits_.maxReplyDataBytes);
+    uint64_t budget = transport_.limits().maxReplyDataBytes - std::min(bytes, transport_.limits().maxReplyDataBytes);
     std::vector<at::Tensor> later; // what does not fit waits for the group's next read
     for (at::Tensor &t : group_) {
       LazyTensorImpl *member = lazyImpl(t);
       DeviceData *d = member->value.data.get();
-      if (!d || fetched_.count(d))
+      if (!d || fetched_.count(d) || d->handle < firstHandle_)
         continue;
       ir::TensorMeta layout = member->downloadLayout();
       uint64_t size = layout.storageBytes();
-      if (size > budget || wanted.size() >= limits_.maxCommands / 16) {
+      if (size > budget || wanted.size() >= transport_.limits().maxCommands / 16) {
         later.push_back(std::move(t));
         continue;
       }
@@ -514,7 +557,7 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
 at::Tensor Session::downloadInChunks(const DeviceData &data, const ir::TensorMeta &want) {
   at::Tensor out = at::empty_strided(
       want.sizes, want.strides, at::TensorOptions().dtype(static_cast<c10::ScalarType>(want.dtype)));
-  const uint64_t total = want.storageBytes(), chunk = limits_.uploadChunkBytes;
+  const uint64_t total = want.storageBytes(), chunk = transport_.limits().uploadChunkBytes;
   for (uint64_t offset = 0; offset < total; offset += chunk) {
     Command c;
     c.kind = wire::Command::DOWNLOAD;
@@ -547,7 +590,7 @@ std::vector<std::pair<Value, ir::TensorMeta>>
 Session::runNow(llvm::IntrusiveRefCntPtr<TraceNode> node) {
   std::lock_guard<std::recursive_mutex> lock(mu);
   if (lost())
-    raise(ErrorKind::SessionLost, lostReason_);
+    raise(ErrorKind::SessionLost, transport_.lostReason());
   site_ = node->location;
   // Every input is held by a live tensor, so after the cut it is device data.
   CutOutputs placed = cut("data-dependent op");
@@ -579,161 +622,9 @@ Session::runNow(llvm::IntrusiveRefCntPtr<TraceNode> node) {
 //===----------------------------------------------------------------------===//
 
 void Session::lose(const std::string &why) {
-  lostReason_ = "rgpu session lost: " + why +
-                ". Tensors on the server are gone; restart the program to start a new session.";
-  socket_.close();
   queue_.clear();
   releases_.clear();
-  raise(ErrorKind::SessionLost, lostReason_);
-}
-
-namespace {
-
-std::string bytesOf(capnp::Data::Reader d) {
-  return std::string(reinterpret_cast<const char *>(d.begin()), d.size());
-}
-
-kj::ArrayPtr<const kj::byte> dataOf(const std::string &s) {
-  return kj::arrayPtr(reinterpret_cast<const kj::byte *>(s.data()), s.size());
-}
-
-/// The token for a TCP server and where it came from: RGPU_TOKEN, else the file named by
-/// RGPU_TOKEN_FILE, else the default token file. \p why says what was looked at when none is
-/// found (or the file is unusable).
-bool findToken(std::string &token, std::string &source, std::string &why) {
-  if (const char *t = std::getenv("RGPU_TOKEN"); t && *t) {
-    token = t;
-    source = "RGPU_TOKEN";
-    return true;
-  }
-  const char *file = std::getenv("RGPU_TOKEN_FILE");
-  std::string path = file && *file ? file : net::auth::defaultTokenPath();
-  source = (file && *file ? "RGPU_TOKEN_FILE=" : "the token file ") + path;
-  if (!file && ::access(path.c_str(), F_OK) != 0) {
-    why = "RGPU_TOKEN and RGPU_TOKEN_FILE are unset, and " + path + " does not exist";
-    return false;
-  }
-  std::string error;
-  if (!net::auth::readToken(path, token, error)) {
-    why = error;
-    return false;
-  }
-  return true;
-}
-
-const char *kTokenHelp =
-    "rgpu-opserver prints where its token is when it starts (by default ~/.config/rgpu/token "
-    "on its host); copy that file here (mode 0600) or set RGPU_TOKEN to its contents, or use "
-    "`rgpu-run --host`, which reaches the server's own socket over ssh and needs no token";
-
-} // namespace
-
-void Session::connect() {
-  address_ = server();
-  net::Endpoint ep;
-  if (!net::parseEndpoint(address_, ep))
-    raise(ErrorKind::SessionLost, "RGPU_OPSERVER='" + address_ +
-                                      "' is neither host:port (e.g. 127.0.0.1:9720) nor "
-                                      "unix:PATH (e.g. unix:" +
-                                      net::auth::defaultSocketPath() + ")");
-  std::string error;
-  const char *budget = std::getenv("RGPU_RECONNECT_SECONDS");
-  bool ok = ep.isUnix() ? socket_.connectUnix(ep.path, error)
-                        : socket_.connect(ep.host, ep.port, error, budget ? std::atoi(budget) : 30);
-  if (!ok)
-    raise(ErrorKind::SessionLost,
-          "cannot reach rgpu-opserver at " + address_ + " (" + error + "). " +
-              (ep.isUnix() ? std::string("Start `rgpu-opserver` on this machine, or")
-                           : "Start one with `rgpu-opserver --port " + std::to_string(ep.port) +
-                                 "` on the GPU host, or") +
-              " point RGPU_OPSERVER at one (see `rgpu-run --help`).");
-  decoder_ = std::make_unique<net::FrameDecoder>(limits_.maxFrameBytes);
-  handshake(!ep.isUnix());
-}
-
-net::Frame Session::receiveHandshake(const char *what) {
-  net::Frame frame;
-  auto status = socket_.receive(*decoder_, frame, 60000);
-  if (status == net::Socket::Status::Ok)
-    return frame;
-  lose(std::string("rgpu-opserver at ") + address_ +
-       (status == net::Socket::Status::Timeout ? " sent no " : " closed the connection before its ") +
-       what + (status == net::Socket::Status::Timeout ? " within 60 s" : ""));
-}
-
-void Session::handshake(bool tcp) {
-  // Over TCP the server speaks first: a challenge, which the Hello answers with a MAC under
-  // the token (the token itself never travels). Over the Unix socket the server knows the
-  // peer's uid and sends nothing first.
-  std::string challenge, token, source, why;
-  if (tcp) {
-    net::Frame first = receiveHandshake("challenge");
-    auto reader = net::openFrame(first, limits_);
-    auto sf = reader->getRoot<wire::ServerFrame>();
-    if (sf.hasError())
-      lose("rgpu-opserver at " + address_ + " refused the connection: " +
-           std::string(sf.getError().getMessage()));
-    if (!sf.hasChallenge() || sf.getChallenge().getNonce().size() != net::auth::kNonceBytes)
-      lose("rgpu-opserver at " + address_ + " did not start with a challenge: it is not an "
-           "rgpu-opserver of this version");
-    challenge = bytesOf(sf.getChallenge().getNonce());
-    if (!findToken(token, source, why)) {
-      socket_.close();
-      lostReason_ = "rgpu-opserver at " + address_ + " needs a token over TCP, and this client "
-                    "has none (" + why + "). " + kTokenHelp + ".";
-      raise(ErrorKind::Auth, lostReason_);
-    }
-  }
-  std::string nonce = net::auth::randomBytes(net::auth::kNonceBytes);
-  capnp::MallocMessageBuilder b;
-  auto frame = b.initRoot<wire::ClientFrame>();
-  frame.setSeq(++seq_);
-  frame.setWantReply(true);
-  auto h = frame.initCommands(1)[0].initHello();
-  h.setProtocol(wire::kProtocolVersion);
-  h.setTorchVersion(bridge::torchVersion());
-  h.setSessionId(dataOf(net::auth::randomBytes(16)));
-  h.setClientNonce(dataOf(nonce));
-  if (tcp)
-    h.setAuthMac(dataOf(net::auth::clientMac(token, challenge, nonce)));
-  if (!socket_.sendAll(net::encodeFrame(b, true)))
-    lose("rgpu-opserver at " + address_ + " closed the connection before the Hello");
-  net::Frame reply = receiveHandshake("reply to the Hello");
-  auto reader = net::openFrame(reply, limits_);
-  auto sf = reader->getRoot<wire::ServerFrame>();
-  if (sf.hasError()) {
-    auto e = sf.getError();
-    std::string message = e.getMessage();
-    if (e.getKind() == wire::Error::Kind::AUTH) {
-      socket_.close();
-      raise(ErrorKind::Auth,
-            lostReason_ = "rgpu-opserver at " + address_ + " refused this client: " + message +
-                (tcp ? " (the client used " + source + ", fingerprint " +
-                           net::auth::fingerprint(token) + "; the server logs its own token's "
-                           "fingerprint when it starts). " + kTokenHelp + "."
-                     : std::string(".")));
-    }
-    lose(message);
-  }
-  if (sf.getResults().size() != 1 || sf.getResults()[0].which() != wire::Result::HELLO)
-    lose("rgpu-opserver at " + address_ + " answered the Hello with something else");
-  auto hr = sf.getResults()[0].getHello();
-  if (tcp && !net::auth::sameMac(bytesOf(hr.getServerMac()),
-                                 net::auth::serverMac(token, challenge, nonce))) {
-    socket_.close();
-    raise(ErrorKind::Auth, lostReason_ = "the server at " + address_ + " did not prove that it holds the "
-                           "token from " + source + ": it is not the rgpu-opserver you meant, "
-                           "or it has another token");
-  }
-  graphBudget_ = hr.getGraphBudget();
-  std::string theirs = hr.getTorchVersion();
-  if (minorOf(theirs) != minorOf(bridge::torchVersion()))
-    lose("version mismatch: this client runs torch " + bridge::torchVersion() +
-         ", rgpu-opserver at " + address_ + " runs torch " + theirs +
-         "; install the same torch minor release on both sides");
-  if (hr.getProtocol() != wire::kProtocolVersion)
-    lose("version mismatch: rgpu protocol " + std::to_string(wire::kProtocolVersion) +
-         " here, " + std::to_string(hr.getProtocol()) + " on the server");
+  transport_.lose(why);
 }
 
 std::string Session::describe(const wire::Error::Reader &e) {
@@ -763,14 +654,19 @@ Session::ServerStats Session::serverStats() {
 
 Session::Reply Session::flush(bool wantReply) {
   if (lost())
-    raise(ErrorKind::SessionLost, lostReason_);
-  if (!socket_.connected())
-    connect();
+    raise(ErrorKind::SessionLost, transport_.lostReason());
+  if (!transport_.connected())
+    transport_.connect();
   if (queue_.empty() && releases_.empty() && !wantReply)
     return {};
+  // Frames are kept until the server acknowledges them (a resume sends them again), and only
+  // replies acknowledge: past this much, this frame waits for one.
+  if (transport_.unacknowledged() > kMaxUnacknowledged)
+    wantReply = true;
   capnp::MallocMessageBuilder b;
   auto frame = b.initRoot<wire::ClientFrame>();
-  frame.setSeq(++seq_);
+  const uint64_t seq = transport_.nextSeq();
+  frame.setSeq(seq);
   frame.setWantReply(wantReply);
   auto cmds = frame.initCommands(queue_.size() + (releases_.empty() ? 0 : 1));
   uint64_t dataBytes = 0;
@@ -844,15 +740,13 @@ Session::Reply Session::flush(bool wantReply) {
   std::string bytes = net::encodeFrame(b, dataBytes < kPackBelow);
   ++stats.messages;
   stats.bytesOut += bytes.size();
-  if (!socket_.sendAll(bytes))
-    lose("the connection to rgpu-opserver at " + address_ + " closed");
+  transport_.send(seq, std::move(bytes));
   if (!wantReply)
     return {};
 
   ++stats.waits;
-  net::Frame reply;
   auto start = std::chrono::steady_clock::now();
-  net::Socket::Status status = socket_.receive(*decoder_, reply, -1);
+  net::Frame reply = transport_.receive(seq);
   uint64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(
                         std::chrono::steady_clock::now() - start).count();
   SiteInfo &site = sites_[site_];
@@ -869,19 +763,12 @@ Session::Reply Session::flush(bool wantReply) {
                 locationText(site_));
   } else
     log(10, "wait at " + locationText(site_) + ": " + std::to_string(waited / 1000) + " us");
-  switch (status) {
-  case net::Socket::Status::Ok: break;
-  case net::Socket::Status::Closed:
-    lose("rgpu-opserver at " + address_ + " closed the connection");
-  default:
-    lose("the connection to rgpu-opserver at " + address_ + " failed");
-  }
   stats.bytesIn += reply.bytes + net::kHeaderBytes;
   Reply results;
   std::string error;
   bool fatal = false;
   try {
-    auto reader = net::openFrame(reply, limits_);
+    auto reader = net::openFrame(reply, transport_.limits());
     auto sf = reader->getRoot<wire::ServerFrame>();
     for (auto r : sf.getResults()) {
       switch (r.which()) {
@@ -931,6 +818,9 @@ Session::Reply Session::flush(bool wantReply) {
         out.compiledEvictions = st.getCompiledEvictions();
         out.diskEvictions = st.getDiskEvictions();
         out.compilesDropped = st.getCompilesDropped();
+        out.sessionsParked = st.getSessionsParked();
+        out.resumes = st.getResumes();
+        out.sessionsExpired = st.getSessionsExpired();
         for (auto g : st.getGraphs())
           out.graphs.push_back({wire::decodeHash(g.getHash()), g.getNodes(), g.getRuns(),
                                 g.getExecuteNs(), g.getBuildNs(), g.getExecutor(),

@@ -406,6 +406,7 @@ private:
     uint8_t bits = 0;
     if (LazyTensorImpl *impl = lazyImpl(t)) {
       v = impl->value;
+      Session::get().checkCurrent(v);
       meta = impl->meta();
       bits = mathBits(*impl);
     } else if (t.device().is_cpu() && acceptsCpuTensors(name_)) {

@@ -74,9 +74,11 @@ struct ScalarValue {
 struct Hello {
   protocol @0 :UInt32;
   torchVersion @1 :Text;
-  sessionId @2 :Data;     # 16 random bytes chosen by the client
+  sessionId @2 :Data;     # 16 random bytes chosen by the client: the session can be resumed
+                          # under it (by a peer of the same authentication) after a drop
   authMac @3 :Data;       # over TCP: net::auth::clientMac(token, challenge, clientNonce)
-  resumeFrom @4 :UInt64;  # reserved for resuming; 0 starts a new session
+  resumeFrom @4 :UInt64;  # 0 starts a new session; else resume sessionId, whose replies the
+                          # client has up to frame resumeFrom - 1
   clientNonce @5 :Data;   # 32 random bytes, so that the server's proof is fresh too
 }
 
@@ -128,11 +130,12 @@ struct Command {
     sync @7 :Void;
     stats @8 :Void;      # answered with the server's counters
     forget @9 :List(Hash); # graphs this session no longer needs (see HelloReply.graphBudget)
+    bye @10 :Void;       # the client is done: end the session now, keep nothing for a resume
   }
 }
 
 struct ClientFrame {
-  seq @0 :UInt64;
+  seq @0 :UInt64;        # 1, 2, 3, ... per session; 0 for a Hello, which is not replayed
   wantReply @1 :Bool;    # the client blocks until the ServerFrame for this frame arrives
   commands @2 :List(Command);
 }
@@ -161,6 +164,13 @@ struct HelloReply {
   graphBudget @5 :UInt64; # bytes of graphs (ir::graphBytes) a session may hold defined at
                           # once; the client Forgets its least recently run graphs to stay
                           # under it, and a Define past it is refused. 0: no limit
+  resumed @6 :Bool;       # a resume was asked for and the session was found
+  lastSeq @7 :UInt64;     # resumed: the last frame the server executed; the client sends
+                          # again every frame after it (and the reply to frame lastSeq, if
+                          # the client did not have it, follows this one)
+  instance @8 :Data;      # 8 random bytes per server process: a client that cannot resume
+                          # tells a restarted server from a session dropped after its grace
+  sessionGrace @9 :UInt32; # seconds a disconnected session is kept for a resume
 }
 
 struct Result {
@@ -215,6 +225,9 @@ struct ServerStats {
   compiledEvictions @28 :UInt64;   # compiled packages unloaded (--compiled-cache)
   diskEvictions @29 :UInt64;       # packages deleted from --cache-dir (--disk-cache)
   compilesDropped @30 :UInt64;     # compiles not queued: the queue was full (--compile-queue)
+  sessionsParked @31 :UInt64;      # disconnected sessions kept for a resume (--session-grace)
+  resumes @32 :UInt64;             # sessions resumed on a new connection
+  sessionsExpired @33 :UInt64;     # parked sessions dropped when their grace passed
 }
 
 struct ServerFrame {
@@ -223,6 +236,8 @@ struct ServerFrame {
   error @2 :Error;             # the first error since the last reply; absent if none
   notes @3 :List(Text);        # what the server wants the user to know (compiles); logged
   challenge @4 :Challenge;     # only in the first frame of a TCP connection
+  heartbeat @5 :Bool;          # sent every half second while the client's frames are being
+                               # served: a silent server is a hung or unreachable one
 }
 
 # A graph as kept in a graph cache directory (RGPU_CACHE_DIR on the client), one file per hash,

@@ -23,6 +23,7 @@ __all__ = [
     "compile_backend",
     "mark_step",
     "metrics_report",
+    "reset",
     "server_stats",
     "set_server",
     "stats",
@@ -37,7 +38,9 @@ class RemoteError(RuntimeError):
 
 
 class SessionLost(RuntimeError):
-    """The connection to rgpu-opserver is gone, and with it every rgpu tensor."""
+    """The session on rgpu-opserver is gone, and with it every rgpu tensor: the server
+    restarted, or could not be reached again within RGPU_RECONNECT_SECONDS. A dropped connection
+    alone is resumed. ``rgpu.reset()`` starts a new session."""
 
 
 class AuthenticationError(SessionLost):
@@ -96,6 +99,14 @@ def _configure_logging():
 
 _configure_logging()
 atexit.register(_C.flush_graph_cache)
+# At exit the session ends on the server at once, instead of waiting there for a resume.
+atexit.register(_C.close)
+
+
+def reset() -> None:
+    """Starts a new session after ``SessionLost``, without restarting Python: the next rgpu
+    operation connects again. Tensors of the old session raise ``SessionLost`` when used."""
+    _C.reset()
 
 
 def set_server(address: str) -> None:

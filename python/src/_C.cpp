@@ -117,6 +117,7 @@ PYBIND11_MODULE(_C, m) {
     d["uploads"] = s.uploads.load();
     d["downloads"] = s.downloads.load();
     d["graphs_forgotten"] = s.graphsForgotten.load();
+    d["reconnects"] = Session::get().reconnects();
     d["live_tensors"] = Session::get().liveTensors();
     return d;
   });
@@ -133,6 +134,8 @@ PYBIND11_MODULE(_C, m) {
         debug);
     session.setRecompileWarningThreshold(recompileWarnAfter);
   });
+  m.def("close", []() { Session::get().close(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("reset", []() { Session::get().reset(); }, py::call_guard<py::gil_scoped_release>());
   m.def("flush_graph_cache", []() { Session::get().flushGraphCache(); },
         py::call_guard<py::gil_scoped_release>());
   m.def("metrics", []() {
@@ -215,6 +218,9 @@ PYBIND11_MODULE(_C, m) {
     out["compiled_evictions"] = st.compiledEvictions;
     out["disk_evictions"] = st.diskEvictions;
     out["compiles_dropped"] = st.compilesDropped;
+    out["sessions_parked"] = st.sessionsParked;
+    out["resumes"] = st.resumes;
+    out["sessions_expired"] = st.sessionsExpired;
     out["session"] = session;
     return out;
   });

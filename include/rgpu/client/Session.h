@@ -9,6 +9,7 @@
 #pragma once
 
 #include "rgpu/client/LazyTensor.h"
+#include "rgpu/client/Transport.h"
 #include "rgpu/net/Frame.h"
 #include "rgpu/wire/Wire.h"
 
@@ -54,7 +55,7 @@ public:
 
   /// The server address ("host:port"); takes effect at the next connection. Until it is set,
   /// the address is RGPU_OPSERVER as it is when the session connects (else 127.0.0.1:9720).
-  void setServer(std::string address) { address_ = std::move(address); }
+  void setServer(std::string address) { transport_.setAddress(std::move(address)); }
   std::string server() const;
 
   // Live tensor registry.
@@ -105,6 +106,7 @@ public:
     std::vector<uint64_t> sessionMemories;
     uint64_t sessionGraphBytes = 0, graphBudget = 0, graphsForgotten = 0, planEvictions = 0,
              compiledEvictions = 0, diskEvictions = 0, compilesDropped = 0;
+    uint64_t sessionsParked = 0, resumes = 0, sessionsExpired = 0;
     struct Graph {
       ir::Hash128 hash;
       uint32_t nodes = 0;
@@ -117,13 +119,21 @@ public:
   ServerStats serverStats();
 
   void release(uint64_t handle);
+  /// Raises SessionLost if \p v is data of a session that reset() ended.
+  void checkCurrent(const Value &v);
   void seed(uint64_t seed);
   /// Waits until the server has executed everything sent so far.
   void synchronize();
   uint64_t liveTensors() const { return live_; }
 
   /// After a lost connection every call raises SessionLost; this is why.
-  bool lost() const { return !lostReason_.empty(); }
+  bool lost() const { return transport_.lost(); }
+  /// Resumes after a dropped connection: how many times it did.
+  uint64_t reconnects() const { return transport_.reconnects(); }
+  /// Ends this session on the server (at exit), keeping nothing there for a resume.
+  void close();
+  /// Starts a new session (after SessionLost): tensors of the old one raise when used.
+  void reset();
 
   /// Where shipped graphs are kept for rgpu-trace-dump; empty keeps none.
   void setCacheDir(std::string dir) { cacheDir_ = std::move(dir); }
@@ -192,12 +202,7 @@ private:
   };
   /// Sends the queued commands as one frame. With \p wantReply, waits for the server's answer.
   Reply flush(bool wantReply);
-  void connect();
   [[noreturn]] void lose(const std::string &why);
-  /// Proves who this client is (over TCP: answers the server's challenge with the token) and
-  /// checks the server's versions, before anything else is sent.
-  void handshake(bool tcp);
-  net::Frame receiveHandshake(const char *what);
   /// A download too large for one reply, one chunk per round trip.
   at::Tensor downloadInChunks(const DeviceData &data, const ir::TensorMeta &want);
   /// A CPU tensor of layout \p m holding \p bytes (which must be exactly its span).
@@ -205,12 +210,7 @@ private:
   uint64_t newHandles(uint64_t n) { uint64_t h = nextHandle_; nextHandle_ += n; return h; }
   std::string describe(const wire::Error::Reader &e);
 
-  std::string address_;
-  net::Socket socket_;
-  std::unique_ptr<net::FrameDecoder> decoder_;
-  wire::Limits limits_;
-  std::string lostReason_;
-  uint64_t seq_ = 0;
+  Transport transport_;
   uint64_t nextHandle_ = 1;
   uint64_t nodeSeq_ = 0;
   uint64_t nodesSinceCut_ = 0;
@@ -232,7 +232,9 @@ private:
   /// recently run ones (a graph run again after that is defined again).
   std::list<std::pair<ir::Hash128, uint64_t>> held_;
   std::map<ir::Hash128, std::list<std::pair<ir::Hash128, uint64_t>>::iterator> heldIndex_;
-  uint64_t heldBytes_ = 0, graphBudget_ = 0;
+  uint64_t heldBytes_ = 0;
+  /// Handles below this belong to a session lost before reset(): using them raises.
+  uint64_t firstHandle_ = 1;
   /// Queues what the server needs before a Run of \p hash: nothing if it holds the graph,
   /// else Forgets that make room and its Define. Returns whether a Define was queued.
   bool hold(const ir::Hash128 &hash, uint64_t bytes);

@@ -1,0 +1,102 @@
+//===- rgpu/client/Transport.h - The client's connection, which survives drops -===//
+//
+// The transport owns everything between a frame the session has encoded and the server's
+// reply to it: connecting (Unix socket or TCP), authentication, the Hello, sending, receiving,
+// acknowledgements, and resuming after a drop.
+//
+// Every frame has a sequence number and is kept until the server acknowledges it (each reply
+// carries the last frame the server executed). When the connection drops (a closed socket, or
+// a server silent for too long while the client waits: a busy server sends heartbeats), the
+// transport reconnects with backoff for up to RGPU_RECONNECT_SECONDS (default 60), asks the
+// server to resume its session, and sends again every frame the server had not executed; the
+// server never runs a frame twice and keeps its last reply for a client that missed it. A
+// server that cannot resume (restarted, or the session's grace passed) makes the session lost,
+// at once, with a message that says which.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "rgpu/net/Frame.h"
+#include "rgpu/wire/Wire.h"
+
+#include <capnp/message.h>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace rgpu::client {
+
+class Transport {
+public:
+  /// \p log receives (level, message) records; it is called with the session lock held, so it
+  /// must not block (the session queues them).
+  explicit Transport(std::function<void(int, const std::string &)> log);
+
+  /// The address ("unix:PATH" or "host:port") used at the next new session; until set,
+  /// RGPU_OPSERVER as it is when connecting, else the default Unix socket.
+  void setAddress(std::string address) { wanted_ = std::move(address); }
+  std::string address() const;
+
+  bool connected() const { return socket_.connected(); }
+  /// After SessionLost, every call raises it again with this reason, until reset().
+  bool lost() const { return !lostReason_.empty(); }
+  const std::string &lostReason() const { return lostReason_; }
+
+  /// Connects and starts a new session on the server. Raises SessionLost or Auth.
+  void connect();
+  /// What the server's Hello reply said.
+  uint64_t graphBudget() const { return graphBudget_; }
+  uint64_t reconnects() const { return reconnects_; }
+  const wire::Limits &limits() const { return limits_; }
+
+  /// The sequence number for the next frame.
+  uint64_t nextSeq() { return ++seq_; }
+  /// Sends the frame numbered \p seq (encoded with that number) and keeps it until the server
+  /// has executed it. A drop is survived by resuming; raises SessionLost if it cannot be.
+  void send(uint64_t seq, std::string bytes);
+  /// Waits for the server's reply to frame \p seq (or an error that ends the session).
+  net::Frame receive(uint64_t seq);
+  /// Bytes of frames sent and not yet acknowledged.
+  uint64_t unacknowledged() const { return keptBytes_; }
+
+  /// Ends the session on the server (nothing is kept for a resume) and closes the connection.
+  void close();
+  /// Forgets the session: the next connect() starts a new one.
+  void reset();
+  /// Ends the session for good with \p why, and raises SessionLost.
+  [[noreturn]] void lose(const std::string &why);
+
+private:
+  enum class Hello { Resumed, Refused, NoAnswer };
+  /// Says Hello on the connected socket: a new session, or with \p resume this one. Raises on
+  /// authentication and version errors; NoAnswer if the connection failed during it.
+  Hello handshake(bool resume, int timeoutMs, std::string &why);
+  bool open(std::string &error);
+  /// The next frame that is not a heartbeat; \p ok false if none came within \p timeoutMs.
+  net::Frame receiveHandshake(int timeoutMs, bool &ok);
+  /// Reconnects and resumes, for up to the reconnect budget counted from \p since; raises
+  /// SessionLost if that fails.
+  void recover(const std::string &why, std::chrono::steady_clock::time_point since);
+  void acknowledge(uint64_t seq);
+
+  std::function<void(int, const std::string &)> log_;
+  std::string wanted_, address_;
+  bool tcp_ = false;
+  net::Socket socket_;
+  std::unique_ptr<net::FrameDecoder> decoder_;
+  wire::Limits limits_;
+  std::string lostReason_;
+  std::string sessionId_, instance_;
+  uint64_t graphBudget_ = 0, graceSeconds_ = 0;
+  uint64_t seq_ = 0, acked_ = 0, reconnects_ = 0;
+  /// Frames sent and not acknowledged, oldest first.
+  std::deque<std::pair<uint64_t, std::string>> kept_;
+  uint64_t keptBytes_ = 0;
+  int reconnectSeconds_ = 60;
+};
+
+} // namespace rgpu::client

@@ -1,0 +1,369 @@
+#include "rgpu/client/Transport.h"
+#include "rgpu/client/Session.h"
+#include "rgpu/net/Auth.h"
+
+#include "rgpu/bridge/Bridge.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <unistd.h>
+
+namespace rgpu::client {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string bytesOf(capnp::Data::Reader d) {
+  return std::string(reinterpret_cast<const char *>(d.begin()), d.size());
+}
+
+kj::ArrayPtr<const kj::byte> dataOf(const std::string &s) {
+  return kj::arrayPtr(reinterpret_cast<const kj::byte *>(s.data()), s.size());
+}
+
+/// "2.13.0" -> "2.13": op schemas are stable within a minor release.
+std::string minorOf(const std::string &v) { return v.substr(0, v.find('.', v.find('.') + 1)); }
+
+std::string seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f s", s);
+  return buf;
+}
+
+/// The token for a TCP server and where it came from: RGPU_TOKEN, else the file named by
+/// RGPU_TOKEN_FILE, else the default token file. \p why says what was looked at when none is
+/// found (or the file is unusable).
+bool findToken(std::string &token, std::string &source, std::string &why) {
+  if (const char *t = std::getenv("RGPU_TOKEN"); t && *t) {
+    token = t;
+    source = "RGPU_TOKEN";
+    return true;
+  }
+  const char *file = std::getenv("RGPU_TOKEN_FILE");
+  std::string path = file && *file ? file : net::auth::defaultTokenPath();
+  source = (file && *file ? "RGPU_TOKEN_FILE=" : "the token file ") + path;
+  if (!file && ::access(path.c_str(), F_OK) != 0) {
+    why = "RGPU_TOKEN and RGPU_TOKEN_FILE are unset, and " + path + " does not exist";
+    return false;
+  }
+  std::string error;
+  if (!net::auth::readToken(path, token, error)) {
+    why = error;
+    return false;
+  }
+  return true;
+}
+
+const char *kTokenHelp =
+    "rgpu-opserver prints where its token is when it starts (by default ~/.config/rgpu/token "
+    "on its host); copy that file here (mode 0600) or set RGPU_TOKEN to its contents, or use "
+    "`rgpu-run --host`, which reaches the server's own socket over ssh and needs no token";
+
+int reconnectSeconds() {
+  const char *v = std::getenv("RGPU_RECONNECT_SECONDS");
+  return v && *v ? std::max(1, std::atoi(v)) : 60;
+}
+
+} // namespace
+
+Transport::Transport(std::function<void(int, const std::string &)> log) : log_(std::move(log)) {}
+
+std::string Transport::address() const {
+  if (!wanted_.empty())
+    return wanted_;
+  const char *env = std::getenv("RGPU_OPSERVER");
+  return env && *env ? env : "unix:" + net::auth::defaultSocketPath();
+}
+
+void Transport::lose(const std::string &why) {
+  lostReason_ = "rgpu session lost: " + why +
+                ". Tensors on the server are gone; call rgpu.reset() to start a new session "
+                "(or restart the program).";
+  socket_.close();
+  kept_.clear();
+  keptBytes_ = 0;
+  raise(ErrorKind::SessionLost, lostReason_);
+}
+
+bool Transport::open(std::string &error) {
+  net::Endpoint ep;
+  if (!net::parseEndpoint(address_, ep)) {
+    error = "RGPU_OPSERVER='" + address_ + "' is neither host:port (e.g. 127.0.0.1:9720) nor "
+            "unix:PATH (e.g. unix:" + net::auth::defaultSocketPath() + ")";
+    return false;
+  }
+  tcp_ = !ep.isUnix();
+  decoder_ = std::make_unique<net::FrameDecoder>(limits_.maxFrameBytes);
+  return tcp_ ? socket_.connect(ep.host, ep.port, error, reconnectSeconds_)
+              : socket_.connectUnix(ep.path, error);
+}
+
+void Transport::connect() {
+  if (lost())
+    raise(ErrorKind::SessionLost, lostReason_);
+  address_ = address();
+  reconnectSeconds_ = reconnectSeconds();
+  std::string error;
+  if (!open(error)) {
+    net::Endpoint ep;
+    bool parsed = net::parseEndpoint(address_, ep);
+    raise(ErrorKind::SessionLost,
+          !parsed ? error
+                  : "cannot reach rgpu-opserver at " + address_ + " (" + error + "). " +
+                        (ep.isUnix() ? std::string("Start `rgpu-opserver` on this machine, or")
+                                     : "Start one with `rgpu-opserver --port " +
+                                           std::to_string(ep.port) + "` on the GPU host, or") +
+                        " point RGPU_OPSERVER at one (see `rgpu-run --help`).");
+  }
+  if (handshake(false, 60000, error) != Hello::Resumed)
+    lose(error);
+}
+
+net::Frame Transport::receiveHandshake(int timeoutMs, bool &ok) {
+  net::Frame frame;
+  for (;;) {
+    auto status = socket_.receive(*decoder_, frame, timeoutMs);
+    ok = status == net::Socket::Status::Ok;
+    if (!ok)
+      return frame;
+    auto reader = net::openFrame(frame, limits_);
+    if (!reader->getRoot<wire::ServerFrame>().getHeartbeat())
+      return frame;
+  }
+}
+
+Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &why) {
+  // Over TCP the server speaks first: a challenge, which the Hello answers with a MAC under
+  // the token (the token itself never travels). Over the Unix socket the server knows the
+  // peer's uid and sends nothing first.
+  std::string challenge, token, source;
+  bool ok = true;
+  auto noAnswer = [&](const std::string &what) {
+    why = "rgpu-opserver at " + address_ + (ok ? " " : " sent no ") + what +
+          (ok ? "" : " within " + seconds(timeoutMs / 1000.0));
+    socket_.close();
+    return Hello::NoAnswer;
+  };
+  if (tcp_) {
+    net::Frame first = receiveHandshake(timeoutMs, ok);
+    if (!ok)
+      return noAnswer("challenge");
+    auto reader = net::openFrame(first, limits_);
+    auto sf = reader->getRoot<wire::ServerFrame>();
+    if (sf.hasError())
+      lose("rgpu-opserver at " + address_ + " refused the connection: " +
+           std::string(sf.getError().getMessage()));
+    if (!sf.hasChallenge() || sf.getChallenge().getNonce().size() != net::auth::kNonceBytes)
+      lose("rgpu-opserver at " + address_ + " did not start with a challenge: it is not an "
+           "rgpu-opserver of this version");
+    challenge = bytesOf(sf.getChallenge().getNonce());
+    if (!findToken(token, source, why)) {
+      socket_.close();
+      lostReason_ = "rgpu-opserver at " + address_ + " needs a token over TCP, and this client "
+                    "has none (" + why + "). " + kTokenHelp + ".";
+      raise(ErrorKind::Auth, lostReason_);
+    }
+  }
+  if (!resume)
+    sessionId_ = net::auth::randomBytes(16);
+  std::string nonce = net::auth::randomBytes(net::auth::kNonceBytes);
+  capnp::MallocMessageBuilder b;
+  auto frame = b.initRoot<wire::ClientFrame>();
+  frame.setSeq(0); // a Hello is never replayed
+  frame.setWantReply(true);
+  auto h = frame.initCommands(1)[0].initHello();
+  h.setProtocol(wire::kProtocolVersion);
+  h.setTorchVersion(bridge::torchVersion());
+  h.setSessionId(dataOf(sessionId_));
+  h.setResumeFrom(resume ? acked_ + 1 : 0);
+  h.setClientNonce(dataOf(nonce));
+  if (tcp_)
+    h.setAuthMac(dataOf(net::auth::clientMac(token, challenge, nonce)));
+  if (!socket_.sendAll(net::encodeFrame(b, true)))
+    return noAnswer("closed the connection before the Hello");
+  net::Frame reply = receiveHandshake(timeoutMs, ok);
+  if (!ok)
+    return noAnswer("reply to the Hello");
+  auto reader = net::openFrame(reply, limits_);
+  auto sf = reader->getRoot<wire::ServerFrame>();
+  if (sf.hasError()) {
+    auto e = sf.getError();
+    std::string message = e.getMessage();
+    if (e.getKind() == wire::Error::Kind::AUTH) {
+      socket_.close();
+      raise(ErrorKind::Auth,
+            lostReason_ = "rgpu-opserver at " + address_ + " refused this client: " + message +
+                (tcp_ ? " (the client used " + source + ", fingerprint " +
+                            net::auth::fingerprint(token) + "; the server logs its own token's "
+                            "fingerprint when it starts). " + kTokenHelp + "."
+                      : std::string(".")));
+    }
+    lose(message);
+  }
+  if (sf.getResults().size() != 1 || sf.getResults()[0].which() != wire::Result::HELLO)
+    lose("rgpu-opserver at " + address_ + " answered the Hello with something else");
+  auto hr = sf.getResults()[0].getHello();
+  if (tcp_ && !net::auth::sameMac(bytesOf(hr.getServerMac()),
+                                  net::auth::serverMac(token, challenge, nonce))) {
+    socket_.close();
+    raise(ErrorKind::Auth, lostReason_ = "the server at " + address_ + " did not prove that it "
+                           "holds the token from " + source + ": it is not the rgpu-opserver "
+                           "you meant, or it has another token");
+  }
+  std::string theirs = hr.getTorchVersion();
+  if (minorOf(theirs) != minorOf(bridge::torchVersion()))
+    lose("version mismatch: this client runs torch " + bridge::torchVersion() +
+         ", rgpu-opserver at " + address_ + " runs torch " + theirs +
+         "; install the same torch minor release on both sides");
+  if (hr.getProtocol() != wire::kProtocolVersion)
+    lose("version mismatch: rgpu protocol " + std::to_string(wire::kProtocolVersion) +
+         " here, " + std::to_string(hr.getProtocol()) + " on the server");
+  std::string instance = bytesOf(hr.getInstance());
+  if (resume) {
+    if (!hr.getResumed()) {
+      why = instance != instance_
+                ? "rgpu-opserver at " + address_ + " restarted: it is a new server process, "
+                  "and the session's tensors went with the old one"
+                : "rgpu-opserver at " + address_ + " no longer holds this session: it was not "
+                  "resumed within the server's --session-grace of " +
+                  std::to_string(graceSeconds_) + " s";
+      socket_.close();
+      return Hello::Refused;
+    }
+    acknowledge(hr.getLastSeq());
+  } else {
+    instance_ = instance;
+    graceSeconds_ = hr.getSessionGrace();
+    graphBudget_ = hr.getGraphBudget();
+  }
+  return Hello::Resumed;
+}
+
+void Transport::acknowledge(uint64_t seq) {
+  acked_ = std::max(acked_, seq);
+  while (!kept_.empty() && kept_.front().first <= acked_) {
+    keptBytes_ -= kept_.front().second.size();
+    kept_.pop_front();
+  }
+}
+
+void Transport::send(uint64_t seq, std::string bytes) {
+  if (lost())
+    raise(ErrorKind::SessionLost, lostReason_);
+  keptBytes_ += bytes.size();
+  kept_.emplace_back(seq, std::move(bytes));
+  if (!socket_.connected() || !socket_.sendAll(kept_.back().second))
+    recover("the connection closed while a frame was sent", Clock::now());
+}
+
+net::Frame Transport::receive(uint64_t seq) {
+  if (lost())
+    raise(ErrorKind::SessionLost, lostReason_);
+  // A server serving this client's frames sends a heartbeat every half second: this long a
+  // silence means a hung server or a dead link.
+  const int silenceMs = std::clamp(reconnectSeconds_ * 500, 1500, 10000);
+  auto heard = Clock::now();
+  for (;;) {
+    net::Frame frame;
+    auto status = socket_.connected() ? socket_.receive(*decoder_, frame, silenceMs)
+                                      : net::Socket::Status::Closed;
+    if (status == net::Socket::Status::Ok) {
+      heard = Clock::now();
+      bool mine = true;
+      try {
+        auto reader = net::openFrame(frame, limits_);
+        auto sf = reader->getRoot<wire::ServerFrame>();
+        if (sf.getHeartbeat())
+          continue;
+        acknowledge(sf.getAckSeq());
+        mine = sf.getAckSeq() == seq ||
+               (sf.hasError() && sf.getError().getKind() != wire::Error::Kind::REMOTE);
+      } catch (const kj::Exception &) {
+        // Malformed: the session reports it.
+      }
+      if (mine)
+        return frame;
+      continue; // an earlier frame's reply, sent again after a resume
+    }
+    bool silent = status == net::Socket::Status::Timeout;
+    recover(silent ? "no answer for " + seconds(silenceMs / 1000.0)
+            : status == net::Socket::Status::Closed ? std::string("the connection closed")
+                                                   : std::string("the connection failed"),
+            silent ? heard : Clock::now());
+    heard = Clock::now();
+  }
+}
+
+void Transport::recover(const std::string &why, Clock::time_point since) {
+  socket_.close();
+  if (sessionId_.empty())
+    lose(why);
+  auto start = Clock::now();
+  auto deadline = since + std::chrono::seconds(reconnectSeconds_);
+  log_(30, "rgpu: lost the connection to rgpu-opserver at " + address_ + " (" + why +
+               "); resuming the session, for up to " + std::to_string(reconnectSeconds_) +
+               " s (RGPU_RECONNECT_SECONDS)");
+  std::string last = why;
+  auto backoff = std::chrono::milliseconds(50);
+  while (Clock::now() < deadline) {
+    std::string error;
+    if (open(error)) {
+      int left = int(std::max<int64_t>(
+          100, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now())
+                   .count()));
+      switch (handshake(true, left, error)) {
+      case Hello::Refused: lose(error);
+      case Hello::NoAnswer: last = error; break;
+      case Hello::Resumed: {
+        bool sent = true;
+        for (const auto &kept : kept_)
+          if (!(sent = socket_.sendAll(kept.second)))
+            break;
+        if (sent) {
+          ++reconnects_;
+          log_(30, "rgpu: resumed the session on rgpu-opserver at " + address_ + " after " +
+                       seconds(std::chrono::duration<double>(Clock::now() - start).count()) +
+                       " without a connection; " + std::to_string(kept_.size()) +
+                       " frame(s) sent again");
+          return;
+        }
+        socket_.close();
+        last = "the connection closed again while frames were sent again";
+        break;
+      }
+      }
+    } else {
+      last = error;
+    }
+    std::this_thread::sleep_for(std::min<Clock::duration>(
+        backoff, std::max<Clock::duration>(deadline - Clock::now(), Clock::duration::zero())));
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+  }
+  lose("rgpu-opserver at " + address_ + " could not be reached again within " +
+       std::to_string(reconnectSeconds_) + " s (RGPU_RECONNECT_SECONDS; " + last + ")");
+}
+
+void Transport::close() {
+  if (socket_.connected() && !lost() && !sessionId_.empty()) {
+    capnp::MallocMessageBuilder b;
+    auto frame = b.initRoot<wire::ClientFrame>();
+    frame.setSeq(nextSeq());
+    frame.initCommands(1)[0].setBye();
+    socket_.sendAll(net::encodeFrame(b, true)); // best effort: a lost Bye costs the grace
+  }
+  socket_.close();
+}
+
+void Transport::reset() {
+  close();
+  lostReason_.clear();
+  sessionId_.clear();
+  seq_ = acked_ = 0;
+  kept_.clear();
+  keptBytes_ = 0;
+}
+
+} // namespace rgpu::client
