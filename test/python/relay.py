@@ -3,6 +3,7 @@ flaky network of the resume tests."""
 
 import socket
 import threading
+import time
 
 
 class Relay:
@@ -18,7 +19,7 @@ class Relay:
         self.lock = threading.Lock()
         self.pairs = []
         self.cuts = 0
-        self.armed = None  # (direction, bytes left)
+        self.armed = {}  # direction -> bytes left before a cut
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self):
@@ -32,7 +33,7 @@ class Relay:
             except OSError:
                 client.close()
                 continue
-            pair = (client, server)
+            pair = (client, server, time.monotonic())
             with self.lock:
                 self.pairs.append(pair)
             threading.Thread(target=self._pump, args=(client, server, "up", pair), daemon=True).start()
@@ -47,21 +48,21 @@ class Relay:
             if not data:
                 self._drop(pair)
                 return
+            cut = False
             with self.lock:
-                armed = self.armed
-                if armed and armed[0] == direction:
-                    left = armed[1] - len(data)
-                    if left <= 0:
-                        self.armed = None
-                        data = data[:armed[1]]
+                if direction in self.armed:
+                    left = self.armed[direction]
+                    if len(data) >= left:
+                        data, cut = data[:left], True
+                        del self.armed[direction]
                     else:
-                        self.armed = (direction, left)
+                        self.armed[direction] = left - len(data)
             try:
                 dst.sendall(data)
             except OSError:
                 self._drop(pair)
                 return
-            if armed and armed[0] == direction and armed[1] - len(data) <= 0:
+            if cut:
                 self.cut()
                 return
 
@@ -69,30 +70,38 @@ class Relay:
         with self.lock:
             if pair in self.pairs:
                 self.pairs.remove(pair)
-        for s in pair:
+        self._close(pair)
+
+    @staticmethod
+    def _close(pair):
+        for s in pair[:2]:
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             s.close()
 
-    def cut(self):
-        """Drops every open connection; returns how many."""
+    def cut(self, min_age=0.0):
+        """Drops every connection open for at least `min_age` seconds; returns how many."""
+        now = time.monotonic()
         with self.lock:
-            pairs, self.pairs = self.pairs, []
-            self.cuts += bool(pairs)
-        for pair in pairs:
-            for s in pair:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
-        return len(pairs)
+            old = [p for p in self.pairs if now - p[2] >= min_age]
+            self.pairs = [p for p in self.pairs if p not in old]
+            self.cuts += bool(old)
+        for pair in old:
+            self._close(pair)
+        return len(old)
+
+    def cut_one(self, timeout=10.0):
+        """Cuts once, as soon as a connection has been up for 50 ms (not one still saying
+        Hello): every such cut costs the client exactly one resume."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.cut(min_age=0.05):
+            time.sleep(0.005)
 
     def cut_after(self, direction, nbytes):
         with self.lock:
-            self.armed = (direction, nbytes)
+            self.armed[direction] = nbytes
 
     def close(self):
         self.listener.close()

@@ -84,7 +84,9 @@ def test_a_refused_connection_says_how_to_start_the_server():
     assert "SessionLost" in r.stderr and "rgpu-opserver" in r.stderr, r.stderr
 
 
-def test_a_killed_server_becomes_session_lost_quickly(fresh_server):
+def test_a_killed_server_becomes_session_lost_after_the_reconnect_budget(fresh_server):
+    # Nothing answers on its port any more: the client tries to resume for
+    # RGPU_RECONNECT_SECONDS, then the session is lost.
     code = f"""
 import os, signal, time, torch, rgpu
 x = torch.ones(4, device='rgpu')
@@ -96,7 +98,7 @@ try:
     (x * 2).sum().item()
     print('no error')
 except rgpu.SessionLost as e:
-    print('lost after', time.time() - start)
+    print('lost after', time.time() - start, e)
 try:
     torch.ones(1, device='rgpu').item()
 except rgpu.SessionLost:
@@ -104,7 +106,8 @@ except rgpu.SessionLost:
 """
     r = run_client(fresh_server.address, code, env={"RGPU_RECONNECT_SECONDS": "2"}, timeout=30)
     assert "lost after" in r.stdout, r.stdout + r.stderr
-    assert float(r.stdout.split("lost after")[1].split()[0]) < 2.5
+    assert 2 <= float(r.stdout.split("lost after")[1].split()[0]) < 4.5
+    assert "could not be reached again within 2 s (RGPU_RECONNECT_SECONDS" in r.stdout
     assert "still lost" in r.stdout
 
 

@@ -1,0 +1,231 @@
+"""A dropped connection resumes the session with identical results; a restarted or hung server
+is reported as a lost session, quickly; rgpu.reset() starts a new one. Every client runs in its
+own process, behind a relay (relay.py) that cuts its connection."""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from conftest import REPO, Server, run_client
+from relay import Relay
+
+# Trains the small GPT for STEPS steps, printing one JSON line per step (its loss and a random
+# draw on the server, so RNG state is compared too) and finally a digest of every parameter.
+GPT = textwrap.dedent("""
+    import hashlib, json, sys, torch, rgpu
+    sys.path.insert(0, {examples!r})
+    from models import TinyGPT, gpt_batch, gpt_optimizer
+    steps, every = {steps}, {every}
+    torch.manual_seed(0)
+    model = TinyGPT().to("rgpu")
+    opt, sched = gpt_optimizer(model, steps)
+    pending = []
+    for step in range(steps):
+        idx, tgt = gpt_batch(step)
+        opt.zero_grad()
+        loss = model(idx.to("rgpu"), tgt.to("rgpu"))
+        loss.backward()
+        opt.step()
+        sched.step()
+        pending.append((loss.detach(), torch.rand(2, device="rgpu")))
+        if (step + 1) % every == 0:
+            for l, r in pending:
+                print(json.dumps([l.item(), r.tolist()]), flush=True)
+            pending = []
+        else:
+            print("[]", flush=True)
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().numpy().tobytes())
+    print(json.dumps({{"params": digest.hexdigest(), "reconnects": rgpu.stats()["reconnects"]}}))
+""")
+
+
+def gpt(address, steps, every, relay=None, cuts=0):
+    """Runs GPT against `address`; with `relay`, cuts its connection `cuts` times at random
+    moments spread over the first 90% of the steps. Returns the per-step values and the final
+    line."""
+    code = GPT.format(examples=os.path.join(REPO, "examples"), steps=steps, every=every)
+    proc = subprocess.Popen([sys.executable, "-c", code],
+                            env=dict(os.environ, RGPU_OPSERVER=address),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rng = random.Random(7)
+    timers, lines = [], []
+    for i, line in enumerate(proc.stdout):
+        lines.append(line)
+        while relay and len(timers) < min(cuts, (i + 1) * cuts // (steps * 9 // 10)):
+            timers.append(threading.Timer(rng.uniform(0.0, 0.05), relay.cut_one))
+            timers[-1].start()
+    for t in timers:
+        t.join()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err
+    values = [json.loads(line) for line in lines[:-1]]
+    return [v for v in values if v], json.loads(lines[-1]), err
+
+
+def test_training_through_fifty_cuts_is_bit_identical(server):
+    relay = Relay(("127.0.0.1", server.port))
+    try:
+        for every in (1, 25):  # .item() every step, and syncs only every 25 steps
+            calm, calm_end, _ = gpt(server.address, 300, every)
+            cut, cut_end, log = gpt(relay.address, 300, every, relay, cuts=50)
+            assert cut == calm  # every loss and random draw, bit for bit
+            assert cut_end["params"] == calm_end["params"]
+            assert calm_end["reconnects"] == 0 and cut_end["reconnects"] == 50, log
+            assert log.count("resumed the session on rgpu-opserver") == 50
+            relay.cuts = 0
+    finally:
+        relay.close()
+
+
+def test_a_cut_in_the_middle_of_an_upload_and_of_a_download_loses_nothing(server):
+    relay = Relay(("127.0.0.1", server.port))
+    try:
+        # The first 10 MiB up and the first 10 MiB down end in the middle of a 64 MiB tensor.
+        relay.cut_after("up", 10 << 20)
+        relay.cut_after("down", 10 << 20)
+        r = run_client(relay.address, textwrap.dedent("""
+            import torch, rgpu
+            g = torch.Generator().manual_seed(3)
+            cpu = torch.randn(16 << 20, generator=g)            # 64 MiB
+            x = cpu.to("rgpu")
+            back = (x * 2).cpu()
+            print(torch.equal(back, cpu * 2), (x.sum() == cpu.sum()).item(),
+                  rgpu.stats()["reconnects"])
+        """))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["True", "True", "2"], r.stdout + r.stderr
+        assert relay.cuts == 2
+    finally:
+        relay.close()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_restarted_server_is_a_lost_session_at_once_and_reset_starts_again():
+    port = free_port()
+    first = Server("--port", str(port))
+    client = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time, torch, rgpu
+        x = torch.ones(4, device="rgpu")
+        print(x.sum().item(), flush=True)
+        sys.stdin.readline()                 # the server is restarted meanwhile
+        start = time.time()
+        try:
+            (x * 2).sum().item()
+        except rgpu.SessionLost as e:
+            print(time.time() - start, "|", e, flush=True)
+        try:
+            (x + 1).sum().item()
+        except rgpu.SessionLost as e:
+            print("still |", e, flush=True)
+        rgpu.reset()
+        try:
+            x + 1
+        except rgpu.SessionLost as e:
+            print("old |", e, flush=True)
+        y = torch.arange(4., device="rgpu")
+        print((y * y).sum().item(), flush=True)
+    """)], env=dict(os.environ, RGPU_OPSERVER=f"127.0.0.1:{port}"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = None
+    try:
+        assert client.stdout.readline().strip() == "4.0"
+        first.proc.kill()
+        first.proc.wait()
+        second = Server("--port", str(port))
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        out, err = client.communicate(timeout=60)
+        lines = out.splitlines()
+        took, message = lines[0].split(" | ")
+        assert float(took) < 2.0, lines
+        assert "restarted: it is a new server process" in message, message
+        assert "Tensors on the server are gone; call rgpu.reset()" in message
+        assert lines[1].startswith("still | rgpu session lost")
+        assert lines[2] == ("old | this tensor belonged to an rgpu session that was lost; "
+                            "rgpu.reset() started a new one, and the tensor's value is gone: "
+                            "create it again"), lines
+        assert lines[3] == "14.0", out + err
+    finally:
+        client.kill()
+        first.stop()
+        if second:
+            second.stop()
+
+
+def test_a_hung_server_is_a_lost_session_after_the_reconnect_budget(fresh_server):
+    client = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time, torch, rgpu
+        x = torch.ones(4, device="rgpu")
+        print(x.sum().item(), flush=True)
+        sys.stdin.readline()                 # the server is stopped meanwhile
+        y = x * 2                            # traced before the clock starts
+        start = time.time()
+        try:
+            y.sum().item()
+        except rgpu.SessionLost as e:
+            print(time.time() - start, "|", e, flush=True)
+    """)], env=dict(os.environ, RGPU_OPSERVER=fresh_server.address, RGPU_RECONNECT_SECONDS="3"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline().strip() == "4.0"
+        os.kill(fresh_server.proc.pid, signal.SIGSTOP)
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        out, err = client.communicate(timeout=30)
+        took, message = out.splitlines()[0].split(" | ")
+        assert 3.0 <= float(took) <= 5.0, out + err
+        assert "could not be reached again within 3 s (RGPU_RECONNECT_SECONDS" in message, message
+    finally:
+        os.kill(fresh_server.proc.pid, signal.SIGCONT)
+        client.kill()
+
+
+def test_a_session_past_its_grace_is_dropped_and_its_memory_freed():
+    server = Server("--session-grace", "2")
+    try:
+        # One client ends normally (its session goes at once); one is killed holding 64 MiB.
+        r = run_client(server.address, "import torch, rgpu\nprint(torch.ones(4, device='rgpu').sum().item())")
+        assert r.returncode == 0 and r.stdout.strip() == "4.0", r.stderr
+        killed = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+            import sys, torch, rgpu
+            x = torch.ones(16 << 20, device="rgpu")
+            print(x.sum().item(), flush=True)
+            sys.stdin.readline()
+        """)], env=dict(os.environ, RGPU_OPSERVER=server.address),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert killed.stdout.readline().strip() == str(float(16 << 20))
+        killed.kill()
+        killed.wait()
+        r = run_client(server.address, textwrap.dedent("""
+            import json, time, rgpu
+            samples = []
+            for _ in range(24):
+                s = rgpu.server_stats()
+                samples.append([s["sessions_parked"], s["sessions_expired"], s["memory_held"]])
+                time.sleep(0.25)
+            print(json.dumps(samples))
+        """))
+        assert r.returncode == 0, r.stderr
+        samples = json.loads(r.stdout)
+        parked, expired, held = samples[0]
+        assert parked == 1 and expired == 0 and held >= 64 << 20, samples
+        parked, expired, held = samples[-1]
+        assert parked == 0 and expired == 1 and held < 1 << 20, samples
+        assert any("not resumed within 2 s (--session-grace)" in line for line in server.log)
+    finally:
+        server.stop()
