@@ -81,7 +81,7 @@ void Context::deactivate(const std::string &id) {
 void Context::park(std::unique_ptr<Session> session) {
   std::string id = session->id();
   session->detach();
-  std::unique_ptr<Session> replaced;
+  std::unique_ptr<Session> replaced, dropped;
   {
     std::lock_guard<std::mutex> lock(parkMu_);
     active_.erase(id);
@@ -89,6 +89,13 @@ void Context::park(std::unique_ptr<Session> session) {
     replaced = std::move(p.session); // a client reusing an id: the older one goes
     p.session = std::move(session);
     p.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(sessionGraceMs);
+    if (parked_.size() > maxSessions) { // as many parked as served, at most: the oldest goes
+      auto oldest = std::min_element(parked_.begin(), parked_.end(), [](auto &a, auto &b) {
+        return a.second.deadline < b.second.deadline;
+      });
+      dropped = std::move(oldest->second.session);
+      parked_.erase(oldest);
+    }
   }
   parkCv_.notify_all();
 }
@@ -216,7 +223,7 @@ Session::Session(Context &ctx, std::string peer, Admission admission,
 
 Session::~Session() {
   --ctx_.sessions;
-  if (greeted_)
+  if (counted_)
     --ctx_.greetedSessions;
   if (!id_.empty())
     ctx_.deactivate(id_);
@@ -468,7 +475,16 @@ void Session::fillHello(wire::HelloReply::Builder h, const std::string &serverMa
   }
 }
 
+void Session::detach() {
+  cancelled_ = nullptr;
+  if (counted_) // a parked session is not served: it holds no place of --max-connections
+    --ctx_.greetedSessions;
+  counted_ = false;
+}
+
 void Session::attach(std::string peer, const std::atomic<bool> *cancelled) {
+  ++ctx_.greetedSessions; // a resume is let in even at the limit: the session exists already
+  counted_ = true;
   log(peer + ": resumed the session of " + peer_ + " after its frame " + std::to_string(lastSeq_));
   peer_ = std::move(peer);
   cancelled_ = cancelled;
@@ -576,7 +592,7 @@ void Session::hello(wire::Hello::Reader r, std::string &fatal, std::string &serv
             " sessions (--max-connections); try again later";
     return;
   }
-  greeted_ = true;
+  greeted_ = counted_ = true;
 }
 
 void Session::define(wire::Define::Reader r) {

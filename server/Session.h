@@ -155,7 +155,7 @@ public:
   /// Who may resume it: "uid" (a Unix-socket peer of the server's uid) or "token".
   std::string principal() const { return admission_.challenge.empty() ? "uid" : "token"; }
   /// Parked: no connection's end cancels its commands any more.
-  void detach() { cancelled_ = nullptr; }
+  void detach();
   /// Resumed on a new connection.
   void attach(std::string peer, const std::atomic<bool> *cancelled);
   /// Keeps the reply to frame \p seq until the client sends a later frame: a client that lost
@@ -192,6 +192,7 @@ private:
   Admission admission_;
   const std::atomic<bool> *cancelled_;
   bool greeted_ = false;
+  bool counted_ = false;     ///< Holds a place of --max-connections (greetedSessions).
   std::string id_;           ///< The client's session id; empty: not resumable.
   bool ended_ = false;       ///< Bye, or a protocol error: never parked.
   uint64_t lastSeq_ = 0;     ///< The last frame executed.

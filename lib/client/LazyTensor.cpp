@@ -38,7 +38,7 @@ ir::TensorMeta LazyTensorImpl::downloadLayout() const {
 c10::intrusive_ptr<c10::TensorImpl>
 LazyTensorImpl::shallow_copy_and_detach(const c10::VariableVersion &version_counter,
                                         bool allow_tensor_metadata_change) const {
-  std::lock_guard<std::recursive_mutex> lock(Session::get().mu);
+  Session::Lock lock(Session::get());
   auto impl = c10::make_intrusive<LazyTensorImpl>(value, meta());
   copy_tensor_metadata(this, impl.get(), version_counter, allow_tensor_metadata_change);
   return impl;
@@ -47,7 +47,7 @@ LazyTensorImpl::shallow_copy_and_detach(const c10::VariableVersion &version_coun
 c10::intrusive_ptr<c10::TensorImpl>
 LazyTensorImpl::shallow_copy_and_detach(c10::VariableVersion &&version_counter,
                                         bool allow_tensor_metadata_change) const {
-  std::lock_guard<std::recursive_mutex> lock(Session::get().mu);
+  Session::Lock lock(Session::get());
   auto impl = c10::make_intrusive<LazyTensorImpl>(value, meta());
   copy_tensor_metadata(this, impl.get(), std::move(version_counter), allow_tensor_metadata_change);
   return impl;
@@ -56,7 +56,7 @@ LazyTensorImpl::shallow_copy_and_detach(c10::VariableVersion &&version_counter,
 void LazyTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl> &impl) {
   auto *other = dynamic_cast<LazyTensorImpl *>(impl.get());
   TORCH_INTERNAL_ASSERT(other, "rgpu: shallow_copy_from a tensor of another kind");
-  std::lock_guard<std::recursive_mutex> lock(Session::get().mu);
+  Session::Lock lock(Session::get());
   copy_tensor_metadata(other, this, version_counter(), allow_tensor_metadata_change());
   value = other->value;
 }

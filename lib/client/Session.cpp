@@ -70,13 +70,34 @@ Session::Session()
 
 std::string Session::server() const { return transport_.address(); }
 
+Session::Lock::Lock(Session &session) : session_(session) {
+  session_.mu_.lock();
+  ++session_.depth_;
+}
+
+Session::Lock::~Lock() {
+  std::vector<std::pair<int, std::string>> logs;
+  LogSink sink = session_.logSink_;
+  if (--session_.depth_ == 0)
+    logs.swap(session_.pendingLogs_);
+  session_.mu_.unlock();
+  for (const auto &[level, message] : logs) {
+    try {
+      sink(level, message);
+    } catch (...) {
+      // A logging handler that fails loses its record, never the operation (which may be
+      // unwinding with an error of its own).
+    }
+  }
+}
+
 void Session::log(int level, const std::string &message) {
   if (logSink_ && (level > 10 || logDebug_))
-    logSink_(level, message);
+    pendingLogs_.emplace_back(level, message); // under the session lock; see Lock
 }
 
 void Session::track(LazyTensorImpl *impl) {
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   impl->next = head_;
   if (head_)
     head_->prev = impl;
@@ -85,7 +106,7 @@ void Session::track(LazyTensorImpl *impl) {
 }
 
 void Session::untrack(LazyTensorImpl *impl) {
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   if (impl->prev)
     impl->prev->next = impl->next;
   else
@@ -102,6 +123,7 @@ uint64_t Session::nextSeq() {
 }
 
 uint32_t Session::internLocation(const std::string &loc) {
+  std::lock_guard<std::mutex> lock(locationsMu_);
   auto [it, inserted] = locationIds_.try_emplace(loc, uint32_t(locations_.size()));
   if (inserted)
     locations_.push_back(loc);
@@ -110,12 +132,13 @@ uint32_t Session::internLocation(const std::string &loc) {
 
 uint32_t Session::currentLocation() { return gLocation ? gLocation() : 0; }
 
-const std::string &Session::locationText(uint32_t id) {
+std::string Session::locationText(uint32_t id) {
+  std::lock_guard<std::mutex> lock(locationsMu_);
   return id < locations_.size() ? locations_[id] : locations_[0];
 }
 
 void Session::release(uint64_t handle) {
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   if (!lost() && handle >= firstHandle_)
     releases_.push_back(handle);
 }
@@ -128,7 +151,7 @@ void Session::checkCurrent(const Value &v) {
 }
 
 void Session::close() {
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   if (!lost() && transport_.connected()) {
     try {
       flush(false); // what is queued still runs; then the server keeps nothing of the session
@@ -139,7 +162,7 @@ void Session::close() {
 }
 
 void Session::reset() {
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   transport_.reset();
   queue_.clear();
   releases_.clear();
@@ -164,7 +187,7 @@ void Session::reset() {
 }
 
 void Session::seed(uint64_t value) {
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   Command c;
   c.kind = wire::Command::SEED;
   c.handle = value;
@@ -400,7 +423,7 @@ void Session::noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Gr
 }
 
 void Session::flushGraphCache() {
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   if (cacheDir_.empty())
     return;
   for (auto &[hash, info] : graphs_) {
@@ -414,7 +437,7 @@ void Session::flushGraphCache() {
 
 void Session::markStep(bool wait, const char *reason, const std::string &executor, bool send) {
   uint32_t site = currentLocation();
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   if (lost())
     raise(ErrorKind::SessionLost, transport_.lostReason());
   site_ = site;
@@ -441,7 +464,7 @@ void Session::maybeCutAtCap() {
 //===----------------------------------------------------------------------===//
 
 Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta) {
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   // Take the bytes now: the caller may overwrite its tensor right after this returns.
   at::Tensor cpu = src.is_non_overlapping_and_dense() && src.storage_offset() == 0
                        ? src.clone(at::MemoryFormat::Preserve)
@@ -471,7 +494,7 @@ Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta) {
 }
 
 void Session::downloadTogether(std::vector<at::Tensor> tensors) {
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   group_.clear();
   fetched_.clear();
   for (at::Tensor &t : tensors)
@@ -481,7 +504,7 @@ void Session::downloadTogether(std::vector<at::Tensor> tensors) {
 
 at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
   uint32_t site = currentLocation();
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   if (lost())
     raise(ErrorKind::SessionLost, transport_.lostReason());
   site_ = site;
@@ -588,7 +611,7 @@ at::Tensor Session::tensorFromBytes(const ir::TensorMeta &m, const std::string &
 
 std::vector<std::pair<Value, ir::TensorMeta>>
 Session::runNow(llvm::IntrusiveRefCntPtr<TraceNode> node) {
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   if (lost())
     raise(ErrorKind::SessionLost, transport_.lostReason());
   site_ = node->location;
@@ -642,7 +665,7 @@ std::string Session::describe(const wire::Error::Reader &e) {
 }
 
 Session::ServerStats Session::serverStats() {
-  std::lock_guard<std::recursive_mutex> lock(mu);
+  Lock lock(*this);
   Command c;
   c.kind = wire::Command::STATS;
   queue(std::move(c));

@@ -634,7 +634,7 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   Session &session = Session::get();
   // The user's line is found before taking the session lock: finding it takes the GIL.
   uint32_t location = session.currentLocation();
-  std::lock_guard<std::recursive_mutex> lock(session.mu);
+  Session::Lock lock(session);
   const auto &schema = op.schema();
   llvm::StringRef name = op.operator_name().name;
   if (special(name, op, stack))

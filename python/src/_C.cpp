@@ -23,13 +23,21 @@ PyObject *gSessionLost = nullptr;
 PyObject *gAuthError = nullptr;
 std::string gSkipPrefixes[2]; // torch's and rgpu's own directories
 
+/// An rgpu error on its way to Python. It is built without the GIL, often with the session
+/// lock held; torch's bindings (and ours, through the translator registered below) set the
+/// Python exception once the stack has unwound, so no lock is held while the GIL is taken.
+struct RgpuError : torch::PyTorchError {
+  RgpuError(ErrorKind kind, std::string message) : PyTorchError(std::move(message)), kind(kind) {}
+  PyObject *python_type() override {
+    return kind == ErrorKind::Remote ? gRemoteError
+           : kind == ErrorKind::Auth ? gAuthError
+                                     : gSessionLost;
+  }
+  ErrorKind kind;
+};
+
 [[noreturn]] void raisePython(ErrorKind kind, const std::string &message) {
-  py::gil_scoped_acquire gil;
-  PyErr_SetString(kind == ErrorKind::Remote ? gRemoteError
-                  : kind == ErrorKind::Auth ? gAuthError
-                                            : gSessionLost,
-                  message.c_str());
-  throw python_error();
+  throw RgpuError(kind, message);
 }
 
 /// The innermost frame outside torch and rgpu: the user's line. Decisions are cached per code
@@ -76,6 +84,14 @@ uint32_t userLocation() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "rgpu native client";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p)
+        std::rethrow_exception(p);
+    } catch (RgpuError &e) {
+      PyErr_SetString(e.python_type(), e.what());
+    }
+  });
   m.def("_install", [](py::object remoteError, py::object sessionLost, py::object authError,
                        std::string torchDir, std::string rgpuDir) {
     gRemoteError = remoteError.release().ptr();
@@ -88,7 +104,7 @@ PYBIND11_MODULE(_C, m) {
     registerWholeOps();
   });
   m.def("set_server", [](std::string address) {
-    std::lock_guard<std::recursive_mutex> lock(Session::get().mu);
+    Session::Lock lock(Session::get());
     Session::get().setServer(std::move(address));
   });
   m.def("server", []() { return Session::get().server(); });
@@ -105,7 +121,7 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
   m.def("seed", [](uint64_t seed) { Session::get().seed(seed); });
   m.def("stats", []() {
-    Stats &s = Session::get().stats;
+    const Stats &s = Session::get().counters();
     py::dict d;
     d["messages"] = s.messages.load();
     d["waits"] = s.waits.load();
@@ -125,11 +141,15 @@ PYBIND11_MODULE(_C, m) {
     static py::object *sinkLogger = new py::object();
     *sinkLogger = logger;
     Session &session = Session::get();
-    std::lock_guard<std::recursive_mutex> lock(session.mu);
+    Session::Lock lock(session);
     session.setLogSink(
         [](int level, const std::string &message) {
           py::gil_scoped_acquire gil;
-          sinkLogger->attr("log")(level, message);
+          try {
+            sinkLogger->attr("log")(level, message);
+          } catch (py::error_already_set &e) {
+            e.discard_as_unraisable("rgpu's log sink");
+          }
         },
         debug);
     session.setRecompileWarningThreshold(recompileWarnAfter);
@@ -140,7 +160,7 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("metrics", []() {
     Session &session = Session::get();
-    std::lock_guard<std::recursive_mutex> lock(session.mu);
+    Session::Lock lock(session);
     py::list graphs, sites;
     for (const auto &[hash, g] : session.graphs()) {
       py::dict d;

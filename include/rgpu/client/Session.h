@@ -48,10 +48,23 @@ class Session {
 public:
   static Session &get();
 
-  /// Serialises tracing, cutting and I/O. Recursive: a cut releases tensors, whose destructors
-  /// take it again.
-  std::recursive_mutex mu;
-  Stats stats;
+  /// The session lock: serialises tracing, cutting and I/O. Recursive (a cut releases tensors,
+  /// whose destructors take it again). Whoever holds it never waits for Python's GIL, because
+  /// Python frees tensors holding the GIL and then takes this lock: log records written under
+  /// it are emitted when the outermost Lock is released, and errors are raised as C++
+  /// exceptions that Python's bindings turn into Python ones after the lock is gone.
+  class Lock {
+  public:
+    explicit Lock(Session &session);
+    ~Lock();
+    Lock(const Lock &) = delete;
+    Lock &operator=(const Lock &) = delete;
+
+  private:
+    Session &session_;
+  };
+
+  const Stats &counters() const { return stats; }
 
   /// The server address ("host:port"); takes effect at the next connection. Until it is set,
   /// the address is RGPU_OPSERVER as it is when the session connects (else 127.0.0.1:9720).
@@ -67,7 +80,9 @@ public:
   /// Interns a source location ("file.py:12") and returns its id.
   uint32_t internLocation(const std::string &loc);
   uint32_t currentLocation();
-  const std::string &locationText(uint32_t id);
+  /// The text of location \p id. The location table has a lock of its own: the user's line is
+  /// interned while Python's GIL is held, before the session lock is taken.
+  std::string locationText(uint32_t id);
 
   /// Cuts every live pending tensor into one graph and queues its run. With \p wait, blocks
   /// until the server has executed it (and raises any pending error). \p reason is logged.
@@ -169,6 +184,12 @@ public:
 
 private:
   Session();
+
+  std::recursive_mutex mu_;
+  unsigned depth_ = 0;                                 ///< Locks held (under mu_).
+  std::vector<std::pair<int, std::string>> pendingLogs_; ///< Emitted by the outermost Lock.
+  Stats stats;
+  std::mutex locationsMu_;
 
   struct Command;
   using CutOutputs = llvm::DenseMap<std::pair<TraceNode *, uint32_t>, llvm::IntrusiveRefCntPtr<DeviceData>>;

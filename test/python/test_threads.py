@@ -1,0 +1,39 @@
+"""The client from several Python threads: one traces and syncs while another frees tensors
+and traces from thousands of new source lines. Before the session lock stopped taking the GIL,
+the log sink (under the lock) and a tensor freed by Python (holding the GIL) deadlocked, and
+the source-line table grew while another thread read it."""
+
+import textwrap
+
+from conftest import run_client
+
+STRESS = textwrap.dedent("""
+    import logging, threading, time, torch, rgpu
+    # Debug records from every cut and wait, through a handler that drops them.
+    logging.getLogger("rgpu").handlers[:] = [logging.NullHandler()]
+    lines = "\\n".join(f"    y = y + {i}" for i in range(3000))
+    exec(f"def many_lines(y):\\n{lines}\\n    return y", globals())
+    stop = False
+    def churn():
+        while not stop:
+            xs = [torch.ones(2, device="rgpu") for _ in range(20)]
+            many_lines(xs[0])   # 3000 new source lines each time the table is small
+            del xs
+    t = threading.Thread(target=churn)
+    t.start()
+    x = torch.ones(4, device="rgpu")
+    start = time.time()
+    for i in range(200):
+        x = x * 1.0
+        assert x.sum().item() == 4.0
+        rgpu.mark_step(wait=True)
+    stop = True
+    t.join()
+    print("done", round(time.time() - start, 1))
+""")
+
+
+def test_a_thread_freeing_tensors_while_another_syncs_and_logs_never_deadlocks(server):
+    r = run_client(server.address, STRESS, env={"RGPU_LOG": "debug"}, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("done"), r.stdout + r.stderr[-3000:]
