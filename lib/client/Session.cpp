@@ -21,8 +21,6 @@ LocationProvider gLocation = nullptr;
 
 /// Frames below this size are packed; larger ones carry tensor bytes, which do not pack.
 constexpr uint64_t kPackBelow = 64 << 10;
-/// A wait this long is logged at INFO, with what the server said it was doing.
-constexpr uint64_t kSlowWaitNs = 1'000'000'000;
 /// Uploads up to this size wait for the next frame; larger ones are sent at once.
 constexpr uint64_t kSmallUpload = 64 << 10;
 /// Bytes of frames sent without a reply after which the next frame waits for one.
@@ -64,9 +62,8 @@ Session &Session::get() {
 }
 
 Session::Session()
-    : transport_([this](int level, const std::string &message) { log(level, message); }) {
-  cacheDir_ = wire::defaultCacheDir();
-}
+    : transport_([this](int level, const std::string &message) { log(level, message); }),
+      diagnostics_([this](int level, const std::string &message) { log(level, message); }) {}
 
 std::string Session::server() const { return transport_.address(); }
 
@@ -278,15 +275,15 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
     def.hash = c.hash;
     def.graph = std::make_shared<const ir::Graph>(std::move(c.graph));
     def.executor = executor;
-    if (!graphs_.count(c.hash))
-      noteNewGraph(c.hash, def.graph, reason);
+    if (!diagnostics_.known(c.hash))
+      diagnostics_.newGraph(c.hash, def.graph, reason, site_, locationText(site_));
     else
       log(10, "define graph " + c.hash.hex().substr(0, 12) + " again (forgotten to stay "
               "under the server's graph memory)");
     ++stats.graphsShipped;
     queue(std::move(def));
   }
-  ++graphs_[c.hash].runs;
+  diagnostics_.ran(c.hash);
   runsInFrame_.push_back(c.hash);
   ++stats.graphRuns;
   uint64_t first = run.handle;
@@ -379,60 +376,9 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
   return placed;
 }
 
-void Session::noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph,
-                           const char *reason) {
-  GraphInfo &info = graphs_[hash];
-  info.nodes = graph->nodes.size();
-  info.cutAt = locationText(site_);
-  info.reason = reason;
-  info.firstSeen = uint64_t(std::time(nullptr));
-  log(10, "define graph " + hash.hex().substr(0, 12) + " (" + std::to_string(info.nodes) +
-              " nodes), first cut at " + info.cutAt);
-  if (!cacheDir_.empty()) {
-    wire::GraphRecord record;
-    if (wire::readCachedGraph(wire::cacheFilePath(cacheDir_, hash), record).empty()) {
-      info.firstSeen = record.firstSeen;
-      info.runsBefore = record.runs;
-    } else {
-      record = wire::GraphRecord{hash, *graph, info.firstSeen, 0, info.cutAt};
-      if (std::string e = wire::writeCachedGraph(cacheDir_, record); !e.empty())
-        log(30, "rgpu: graph cache disabled: " + e);
-    }
-  }
-
-  // A site that keeps cutting new graphs which differ only in shapes recompiles every step.
-  SiteInfo &site = sites_[site_];
-  ++site.newGraphs;
-  if (site.last) {
-    bool shapesOnly = false;
-    site.lastDiff = ir::diffGraphs(*site.last, *graph, &shapesOnly);
-    if (shapesOnly)
-      ++site.shapeOnlyGraphs;
-  }
-  site.last = std::move(graph);
-  if (!site.warned && site.shapeOnlyGraphs >= recompileWarnAfter_) {
-    site.warned = true;
-    std::string why;
-    for (size_t i = 0; i < site.lastDiff.size() && i < 3; ++i)
-      why += (i ? "; " : "") + site.lastDiff[i];
-    log(30, "rgpu: " + locationText(site_) + " has cut " + std::to_string(site.newGraphs) +
-                " different graphs that differ only in tensor shapes (latest: " + why +
-                "). Each new shape is a new graph to ship and compile; keep shapes fixed "
-                "(pad or bucket them) to reuse one. `rgpu-trace-dump diff` shows the details.");
-  }
-}
-
 void Session::flushGraphCache() {
   Lock lock(*this);
-  if (cacheDir_.empty())
-    return;
-  for (auto &[hash, info] : graphs_) {
-    wire::GraphRecord record;
-    if (!wire::readCachedGraph(wire::cacheFilePath(cacheDir_, hash), record).empty())
-      continue;
-    record.runs = info.runsBefore + info.runs;
-    wire::writeCachedGraph(cacheDir_, record);
-  }
+  diagnostics_.flushCache();
 }
 
 void Session::markStep(bool wait, const char *reason, const std::string &executor, bool send) {
@@ -772,20 +718,7 @@ Session::Reply Session::flush(bool wantReply) {
   net::Frame reply = transport_.receive(seq);
   uint64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(
                         std::chrono::steady_clock::now() - start).count();
-  SiteInfo &site = sites_[site_];
-  ++site.syncs;
-  site.waitNs += waited;
-  for (const ir::Hash128 &h : ranInFrame) {
-    graphs_[h].waitNs += waited;
-    ++graphs_[h].waitedRuns;
-  }
-  if (waited >= kSlowWaitNs) {
-    char secs[32];
-    std::snprintf(secs, sizeof secs, "%.1f", waited / 1e9);
-    log(20, std::string("rgpu: waited ") + secs + " s for rgpu-opserver at " +
-                locationText(site_));
-  } else
-    log(10, "wait at " + locationText(site_) + ": " + std::to_string(waited / 1000) + " us");
+  diagnostics_.waited(site_, locationText(site_), ranInFrame, waited);
   stats.bytesIn += reply.bytes + net::kHeaderBytes;
   Reply results;
   std::string error;

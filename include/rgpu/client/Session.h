@@ -8,6 +8,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "rgpu/client/Diagnostics.h"
 #include "rgpu/client/LazyTensor.h"
 #include "rgpu/client/Transport.h"
 #include "rgpu/net/Frame.h"
@@ -151,27 +152,14 @@ public:
   void reset();
 
   /// Where shipped graphs are kept for rgpu-trace-dump; empty keeps none.
-  void setCacheDir(std::string dir) { cacheDir_ = std::move(dir); }
+  void setCacheDir(std::string dir) { diagnostics_.setCacheDir(std::move(dir)); }
   /// Writes this process's run counts into the graph cache files (at exit).
   void flushGraphCache();
 
-  /// What rgpu.metrics_report() shows about one graph.
-  struct GraphInfo {
-    uint32_t nodes = 0;
-    uint64_t runs = 0, waitedRuns = 0, waitNs = 0;
-    uint64_t firstSeen = 0, runsBefore = 0; ///< From an earlier process's cache file.
-    std::string cutAt;
-    std::string reason; ///< Why the cut that first made it happened ("item", "mark_step").
-  };
-  /// What rgpu.metrics_report() shows about one sync site (a user's source line).
-  struct SiteInfo {
-    uint64_t syncs = 0, waitNs = 0, newGraphs = 0, shapeOnlyGraphs = 0;
-    std::shared_ptr<const ir::Graph> last; ///< The latest new graph this site cut.
-    std::vector<std::string> lastDiff;     ///< How it differed from the one before.
-    bool warned = false;
-  };
-  const std::map<ir::Hash128, GraphInfo> &graphs() const { return graphs_; }
-  const std::map<uint32_t, SiteInfo> &sites() const { return sites_; }
+  using GraphInfo = Diagnostics::GraphInfo;
+  using SiteInfo = Diagnostics::SiteInfo;
+  const std::map<ir::Hash128, GraphInfo> &graphs() const { return diagnostics_.graphs(); }
+  const std::map<uint32_t, SiteInfo> &sites() const { return diagnostics_.sites(); }
 
   /// Log events go to \p sink (Python's logger "rgpu"); debug events only if \p debug.
   using LogSink = void (*)(int level, const std::string &message);
@@ -180,7 +168,7 @@ public:
     logDebug_ = debug;
   }
   /// Warn when one sync site has cut more than this many graphs differing only in shapes.
-  void setRecompileWarningThreshold(uint64_t n) { recompileWarnAfter_ = n; }
+  void setRecompileWarningThreshold(uint64_t n) { diagnostics_.setRecompileWarningThreshold(n); }
 
 private:
   Session();
@@ -210,9 +198,6 @@ private:
   /// first output handle.
   uint64_t queueRun(Traced t, bool replyMetas, const char *reason,
                     const std::string &executor = "");
-  /// Records a graph that the server has not seen: cache file, recompile analysis, log.
-  void noteNewGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph,
-                    const char *reason);
   void log(int level, const std::string &message);
   void queue(Command c);
   /// What an awaited frame brought back, in command order per kind.
@@ -232,6 +217,7 @@ private:
   std::string describe(const wire::Error::Reader &e);
 
   Transport transport_;
+  Diagnostics diagnostics_;
   uint64_t nextHandle_ = 1;
   uint64_t nodeSeq_ = 0;
   uint64_t nodesSinceCut_ = 0;
@@ -263,14 +249,10 @@ private:
   /// user's line as it is now, whatever line first defined the graph.
   std::map<ir::Hash128, std::vector<uint32_t>> nodeLocations_;
   llvm::StringMap<uint32_t> locationIds_;
-  std::string cacheDir_;
-  std::map<ir::Hash128, GraphInfo> graphs_;
-  std::map<uint32_t, SiteInfo> sites_;
   uint32_t site_ = 0; ///< The user's line whose sync is being served.
   std::vector<ir::Hash128> runsInFrame_;
   LogSink logSink_ = nullptr;
   bool logDebug_ = false;
-  uint64_t recompileWarnAfter_ = 5;
   std::vector<std::string> locations_{std::string()};
 };
 

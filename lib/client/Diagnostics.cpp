@@ -1,0 +1,91 @@
+#include "rgpu/client/Diagnostics.h"
+
+#include "rgpu/wire/Cache.h"
+
+#include <cstdio>
+#include <ctime>
+
+namespace rgpu::client {
+
+namespace {
+/// A wait this long is logged at INFO.
+constexpr uint64_t kSlowWaitNs = 1'000'000'000;
+} // namespace
+
+Diagnostics::Diagnostics(std::function<void(int, const std::string &)> log)
+    : log_(std::move(log)), cacheDir_(wire::defaultCacheDir()) {}
+
+void Diagnostics::newGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph,
+                           const char *reason, uint32_t siteId, const std::string &where) {
+  GraphInfo &info = graphs_[hash];
+  info.nodes = graph->nodes.size();
+  info.cutAt = where;
+  info.reason = reason;
+  info.firstSeen = uint64_t(std::time(nullptr));
+  log_(10, "define graph " + hash.hex().substr(0, 12) + " (" + std::to_string(info.nodes) +
+               " nodes), first cut at " + info.cutAt);
+  if (!cacheDir_.empty()) {
+    wire::GraphRecord record;
+    if (wire::readCachedGraph(wire::cacheFilePath(cacheDir_, hash), record).empty()) {
+      info.firstSeen = record.firstSeen;
+      info.runsBefore = record.runs;
+    } else {
+      record = wire::GraphRecord{hash, *graph, info.firstSeen, 0, info.cutAt};
+      if (std::string e = wire::writeCachedGraph(cacheDir_, record); !e.empty())
+        log_(30, "rgpu: graph cache disabled: " + e);
+    }
+  }
+
+  // A site that keeps cutting new graphs which differ only in shapes recompiles every step.
+  SiteInfo &site = sites_[siteId];
+  ++site.newGraphs;
+  if (site.last) {
+    bool shapesOnly = false;
+    site.lastDiff = ir::diffGraphs(*site.last, *graph, &shapesOnly);
+    if (shapesOnly)
+      ++site.shapeOnlyGraphs;
+  }
+  site.last = std::move(graph);
+  if (!site.warned && site.shapeOnlyGraphs >= recompileWarnAfter_) {
+    site.warned = true;
+    std::string why;
+    for (size_t i = 0; i < site.lastDiff.size() && i < 3; ++i)
+      why += (i ? "; " : "") + site.lastDiff[i];
+    log_(30, "rgpu: " + where + " has cut " + std::to_string(site.newGraphs) +
+                 " different graphs that differ only in tensor shapes (latest: " + why +
+                 "). Each new shape is a new graph to ship and compile; keep shapes fixed "
+                 "(pad or bucket them) to reuse one. `rgpu-trace-dump diff` shows the details.");
+  }
+}
+
+void Diagnostics::waited(uint32_t siteId, const std::string &where,
+                         llvm::ArrayRef<ir::Hash128> graphs, uint64_t ns) {
+  SiteInfo &site = sites_[siteId];
+  ++site.syncs;
+  site.waitNs += ns;
+  for (const ir::Hash128 &h : graphs) {
+    graphs_[h].waitNs += ns;
+    ++graphs_[h].waitedRuns;
+  }
+  if (ns >= kSlowWaitNs) {
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%.1f", ns / 1e9);
+    log_(20, std::string("rgpu: waited ") + secs + " s for rgpu-opserver at " + where);
+  } else {
+    log_(10, "wait at " + where + ": " + std::to_string(ns / 1000) + " us");
+  }
+}
+
+void Diagnostics::flushCache() {
+  if (cacheDir_.empty())
+    return;
+  for (auto &[hash, info] : graphs_) {
+    wire::GraphRecord record;
+    if (!wire::readCachedGraph(wire::cacheFilePath(cacheDir_, hash), record).empty())
+      continue;
+    record.runs = info.runsBefore + info.runs;
+    wire::writeCachedGraph(cacheDir_, record);
+  }
+}
+
+} // namespace rgpu::client
