@@ -15,10 +15,11 @@ STRESS = textwrap.dedent("""
     exec(f"def many_lines(y):\\n{lines}\\n    return y", globals())
     stop = False
     def churn():
+        many_lines(torch.ones(2, device="rgpu"))  # 3000 new source lines while the other syncs
         while not stop:
-            xs = [torch.ones(2, device="rgpu") for _ in range(20)]
-            many_lines(xs[0])   # 3000 new source lines each time the table is small
-            del xs
+            xs = [torch.ones(2, device="rgpu") for _ in range(500)]
+            while xs:
+                xs.pop()        # freed by Python, holding the GIL: each takes the session lock
     t = threading.Thread(target=churn)
     t.start()
     x = torch.ones(4, device="rgpu")
