@@ -119,6 +119,8 @@ public:
   }
 
   bool sendRaw(const std::string &bytes) { return socket_.sendAll(bytes); }
+  /// The next frame is numbered \p seq + 1.
+  void setSeq(uint64_t seq) { seq_ = seq; }
 
   /// Sends one frame built by \p fill; returns the reply if \p wantReply.
   /// With \p wait false, asks for a reply without waiting for it (see receive).
@@ -1057,5 +1059,83 @@ TEST(Faults, AClosedSessionsQueuedRunsAreDropped) {
   std::this_thread::sleep_for(std::chrono::seconds(1));
   double used = serverCpuSeconds() - before;
   EXPECT_LT(used, 0.3) << "the server went on running a closed session's frame";
+  expectGoodSessionUnaffected();
+}
+
+/// Says Hello with session id \p id, asking to resume it from frame \p resumeFrom (0: a new
+/// session); returns the reply's HelloReply fields that matter here.
+struct HelloAnswer {
+  bool ok = false, resumed = false;
+  uint64_t lastSeq = 0;
+};
+HelloAnswer helloWithId(Peer &peer, const std::string &id, uint64_t resumeFrom) {
+  peer.setSeq(~uint64_t(0)); // the Hello goes as frame 0
+  auto reply = peer.send(true, 1, [&](auto cmds) {
+    auto h = cmds[0].initHello();
+    h.setProtocol(wire::kProtocolVersion);
+    h.setSessionId(kj::arrayPtr(reinterpret_cast<const kj::byte *>(id.data()), id.size()));
+    h.setResumeFrom(resumeFrom);
+  });
+  HelloAnswer a;
+  if (!reply)
+    return a;
+  auto r = net::openFrame(*reply, wire::Limits());
+  auto results = r->getRoot<wire::ServerFrame>().getResults();
+  if (results.size() != 1 || !results[0].isHello())
+    return a;
+  a.ok = true;
+  a.resumed = results[0].getHello().getResumed();
+  a.lastSeq = results[0].getHello().getLastSeq();
+  return a;
+}
+
+TEST(Faults, AResumedSessionNeverRunsAFrameTwiceAndNeedsItsId) {
+  Beside beside;
+  const std::string id = "0123456789abcdef";
+  ir::Graph g = square();
+  const ir::Hash128 hash = ir::hashGraph(g);
+  const float data[3] = {1, 2, 3};
+  auto squareInPlace = [&](auto cmds) { runIn(cmds[0], hash, {70}, 70, 1); };
+  {
+    Peer first;
+    ASSERT_TRUE(helloWithId(first, id, 0).ok);
+    first.setSeq(0);
+    ASSERT_TRUE(first.send(true, 2, [&](auto cmds) { // frame 1
+      uploadChunk(cmds[0], 70, vec3(), 12, 0,
+                  kj::arrayPtr(reinterpret_cast<const kj::byte *>(data), 12));
+      defineIn(cmds[1], g);
+    }));
+    ASSERT_TRUE(first.send(false, 1, squareInPlace)); // frame 2: handle 70 is now 1, 4, 9
+    std::this_thread::sleep_for(std::chrono::milliseconds(200)); // executed, by now
+    // The connection drops here, frame 2 unacknowledged.
+  }
+  {
+    Peer stranger; // another id: nothing to resume, and nothing said about this one
+    HelloAnswer a = helloWithId(stranger, "fedcba9876543210", 2);
+    EXPECT_TRUE(a.ok);
+    EXPECT_FALSE(a.resumed);
+  }
+  Peer second;
+  HelloAnswer a = helloWithId(second, id, 2);
+  ASSERT_TRUE(a.resumed);
+  EXPECT_EQ(a.lastSeq, 2u);
+  // A client that did not know frame 2 ran sends it again: it is skipped, not run twice.
+  second.setSeq(1);
+  ASSERT_TRUE(second.send(false, 1, squareInPlace));
+  auto reply = second.send(true, 1, [&](auto cmds) { // frame 3
+    auto down = cmds[0].initDownload();
+    down.setHandle(70);
+    wire::encodeMeta(vec3(), down.initMeta());
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(Peer::errorOf(*reply), "");
+  auto r = net::openFrame(*reply, wire::Limits());
+  auto results = r->getRoot<wire::ServerFrame>().getResults();
+  ASSERT_EQ(results.size(), 1u);
+  ASSERT_EQ(results[0].getData().size(), 12u);
+  std::vector<float> v(3);
+  std::memcpy(v.data(), results[0].getData().begin(), 12);
+  EXPECT_EQ(v, (std::vector<float>{1, 4, 9}));
+  EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }
