@@ -136,18 +136,18 @@ public:
       return std::nullopt;
     if (!wantReply || !wait)
       return net::Frame();
-    net::Frame reply;
-    if (socket_.receive(decoder_, reply, 10000) != net::Socket::Status::Ok)
-      return std::nullopt;
-    return reply;
+    return receive();
   }
 
-  /// The next frame from the server, if one comes within 10 s.
+  /// The next frame from the server that is not a heartbeat, if one comes within 10 s.
   std::optional<net::Frame> receive() {
-    net::Frame reply;
-    if (socket_.receive(decoder_, reply, 10000) != net::Socket::Status::Ok)
-      return std::nullopt;
-    return reply;
+    for (;;) {
+      net::Frame reply;
+      if (socket_.receive(decoder_, reply, 10000) != net::Socket::Status::Ok)
+        return std::nullopt;
+      if (!net::openFrame(reply, wire::Limits())->getRoot<wire::ServerFrame>().getHeartbeat())
+        return reply;
+    }
   }
 
   /// True if the server closed this connection (within a few seconds).
