@@ -110,6 +110,17 @@ void runIn(wire::Command::Builder cmd, const ir::Hash128 &hash, std::vector<uint
   run.setNumOutputs(outputs);
 }
 
+/// The f32[3] a reply's one result holds; empty if it holds something else.
+std::vector<float> vec3Of(const net::Frame &reply) {
+  auto r = net::openFrame(reply, wire::Limits());
+  auto results = r->getRoot<wire::ServerFrame>().getResults();
+  if (results.size() != 1 || !results[0].isData() || results[0].getData().size() != 12)
+    return {};
+  std::vector<float> v(3);
+  std::memcpy(v.data(), results[0].getData().begin(), 12);
+  return v;
+}
+
 /// A client speaking the wire protocol by hand.
 class Peer {
 public:
@@ -200,15 +211,7 @@ public:
       down.setHandle(out);
       wire::encodeMeta(vec3(), down.initMeta());
     });
-    if (!reply)
-      return {};
-    auto r = net::openFrame(*reply, wire::Limits());
-    auto results = r->getRoot<wire::ServerFrame>().getResults();
-    if (results.size() != 1 || results[0].getData().size() != 12)
-      return {};
-    std::vector<float> v(3);
-    std::memcpy(v.data(), results[0].getData().begin(), 12);
-    return v;
+    return reply ? vec3Of(*reply) : std::vector<float>();
   }
 
 private:
@@ -916,13 +919,7 @@ TEST(Faults, HandlesAreAny64BitValue) {
   });
   ASSERT_TRUE(reply);
   EXPECT_EQ(Peer::errorOf(*reply), "");
-  auto r = net::openFrame(*reply, wire::Limits());
-  auto results = r->getRoot<wire::ServerFrame>().getResults();
-  ASSERT_EQ(results.size(), 1u);
-  std::vector<float> v(3);
-  ASSERT_EQ(results[0].getData().size(), 12u);
-  std::memcpy(v.data(), results[0].getData().begin(), 12);
-  EXPECT_EQ(v, (std::vector<float>{1, 4, 9}));
+  EXPECT_EQ(vec3Of(*reply), (std::vector<float>{1, 4, 9}));
   EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }
@@ -1129,13 +1126,7 @@ TEST(Faults, AResumedSessionNeverRunsAFrameTwiceAndNeedsItsId) {
   });
   ASSERT_TRUE(reply);
   EXPECT_EQ(Peer::errorOf(*reply), "");
-  auto r = net::openFrame(*reply, wire::Limits());
-  auto results = r->getRoot<wire::ServerFrame>().getResults();
-  ASSERT_EQ(results.size(), 1u);
-  ASSERT_EQ(results[0].getData().size(), 12u);
-  std::vector<float> v(3);
-  std::memcpy(v.data(), results[0].getData().begin(), 12);
-  EXPECT_EQ(v, (std::vector<float>{1, 4, 9}));
+  EXPECT_EQ(vec3Of(*reply), (std::vector<float>{1, 4, 9}));
   EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }
