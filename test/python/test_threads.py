@@ -38,3 +38,31 @@ def test_a_thread_freeing_tensors_while_another_syncs_and_logs_never_deadlocks(s
     r = run_client(server.address, STRESS, env={"RGPU_LOG": "debug"}, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith("done"), r.stdout + r.stderr[-3000:]
+
+
+LOCK_FREE_LOGGING = textwrap.dedent("""
+    import logging, threading, torch, rgpu
+    # A handler that, for each record, has another thread use rgpu (which takes the session
+    # lock): if records were emitted with the lock held, that thread could not finish.
+    blocked = []
+    class Probe(logging.Handler):
+        def emit(self, record):
+            t = threading.Thread(target=lambda: torch.ones(1, device="rgpu"))
+            t.start()
+            t.join(timeout=5)
+            if t.is_alive():
+                blocked.append(record.getMessage())
+    logger = logging.getLogger("rgpu")
+    logger.handlers[:] = [Probe()]
+    x = torch.ones(4, device="rgpu")
+    for _ in range(5):
+        x = x + 1
+        x.sum().item()             # cuts and waits log at debug level
+    print("blocked", len(blocked))
+""")
+
+
+def test_log_records_are_emitted_after_the_session_lock_is_released(server):
+    r = run_client(server.address, LOCK_FREE_LOGGING, env={"RGPU_LOG": "debug"}, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "blocked 0", r.stdout + r.stderr[-2000:]
