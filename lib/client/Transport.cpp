@@ -88,7 +88,7 @@ void Transport::lose(const std::string &why) {
   raise(ErrorKind::SessionLost, lostReason_);
 }
 
-bool Transport::open(std::string &error) {
+bool Transport::open(std::string &error, int timeoutMs) {
   net::Endpoint ep;
   if (!net::parseEndpoint(address_, ep)) {
     error = "RGPU_OPSERVER='" + address_ + "' is neither host:port (e.g. 127.0.0.1:9720) nor "
@@ -97,7 +97,7 @@ bool Transport::open(std::string &error) {
   }
   tcp_ = !ep.isUnix();
   decoder_ = std::make_unique<net::FrameDecoder>(limits_.maxFrameBytes);
-  return tcp_ ? socket_.connect(ep.host, ep.port, error, reconnectSeconds_)
+  return tcp_ ? socket_.connect(ep.host, ep.port, error, reconnectSeconds_, timeoutMs)
               : socket_.connectUnix(ep.path, error);
 }
 
@@ -107,7 +107,7 @@ void Transport::connect() {
   address_ = address();
   reconnectSeconds_ = reconnectSeconds();
   std::string error;
-  if (!open(error)) {
+  if (!open(error, reconnectSeconds_ * 1000)) {
     net::Endpoint ep;
     bool parsed = net::parseEndpoint(address_, ep);
     raise(ErrorKind::SessionLost,
@@ -310,10 +310,10 @@ void Transport::recover(const std::string &why, Clock::time_point since) {
   auto backoff = std::chrono::milliseconds(50);
   while (Clock::now() < deadline) {
     std::string error;
-    if (open(error)) {
-      int left = int(std::max<int64_t>(
-          100, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now())
-                   .count()));
+    const int left = int(std::max<int64_t>(
+        100, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now())
+                 .count()));
+    if (open(error, left)) {
       switch (handshake(true, left, error)) {
       case Hello::Refused: lose(error);
       case Hello::NoAnswer: last = error; break;

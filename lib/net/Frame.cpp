@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -188,7 +189,36 @@ void Socket::close() {
   fd_ = -1;
 }
 
-bool Socket::connect(const std::string &host, int port, std::string &error, int deadPeerSeconds) {
+namespace {
+/// connect(2) that gives up after \p timeoutMs (negative: the kernel's own timeout).
+bool connectWithin(int fd, const sockaddr *addr, socklen_t len, int timeoutMs) {
+  if (timeoutMs < 0)
+    return ::connect(fd, addr, len) == 0;
+  int flags = fcntl(fd, F_GETFL);
+  fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  bool ok = ::connect(fd, addr, len) == 0;
+  if (!ok && errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    int ready;
+    do
+      ready = ::poll(&p, 1, timeoutMs);
+    while (ready < 0 && errno == EINTR);
+    int err = 0;
+    socklen_t errLen = sizeof err;
+    if (ready == 0)
+      err = ETIMEDOUT;
+    else if (ready < 0 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &errLen) != 0)
+      err = errno;
+    ok = err == 0;
+    errno = err;
+  }
+  fcntl(fd, F_SETFL, flags);
+  return ok;
+}
+} // namespace
+
+bool Socket::connect(const std::string &host, int port, std::string &error, int deadPeerSeconds,
+                     int connectTimeoutMs) {
   close();
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -204,7 +234,7 @@ bool Socket::connect(const std::string &host, int port, std::string &error, int 
     int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0)
       continue;
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+    if (connectWithin(fd, a->ai_addr, a->ai_addrlen, connectTimeoutMs)) {
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       int secs = std::max(deadPeerSeconds, 3);

@@ -75,7 +75,8 @@ private:
   /// Says Hello on the connected socket: a new session, or with \p resume this one. Raises on
   /// authentication and version errors; NoAnswer if the connection failed during it.
   Hello handshake(bool resume, int timeoutMs, std::string &why);
-  bool open(std::string &error);
+  /// Connects the socket to address_, giving up after \p timeoutMs.
+  bool open(std::string &error, int timeoutMs);
   /// The next frame that is not a heartbeat; \p ok false if none came within \p timeoutMs.
   net::Frame receiveHandshake(int timeoutMs, bool &ok);
   /// Reconnects and resumes, for up to the reconnect budget counted from \p since; raises

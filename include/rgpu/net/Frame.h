@@ -85,7 +85,9 @@ public:
   /// A peer that stops answering at the TCP level (a dead host, a cut network) is declared gone
   /// after about \p deadPeerSeconds: keepalive probes while waiting, a send timeout while sending.
   /// A live server busy with a long graph still answers the probes, so it is never cut off.
-  bool connect(const std::string &host, int port, std::string &error, int deadPeerSeconds = 30);
+  /// The connection itself is given up after \p connectTimeoutMs (negative: the kernel's).
+  bool connect(const std::string &host, int port, std::string &error, int deadPeerSeconds = 30,
+               int connectTimeoutMs = -1);
   /// Connects to the Unix-domain socket at \p path.
   bool connectUnix(const std::string &path, std::string &error);
   bool connected() const { return fd_ >= 0; }

@@ -4,6 +4,15 @@
 #include <capnp/message.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 using namespace rgpu;
 
 namespace {
@@ -197,4 +206,30 @@ TEST(Wire, TruncatedMessageThrowsInsteadOfCrashing) {
     ir::Graph g;
     wire::decodeGraph(cmds[0].getDefine().getGraph(), {}, g);
   });
+}
+
+TEST(Net, AConnectThatIsNeverAnsweredGivesUpInTime) {
+  // A listener that never accepts, its backlog full: the kernel drops further SYNs, as a
+  // network that lost its route would.
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr *>(&addr), len), 0);
+  ASSERT_EQ(::listen(listener, 0), 0);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr *>(&addr), &len), 0);
+  int port = ntohs(addr.sin_port);
+  std::vector<std::unique_ptr<net::Socket>> fill;
+  std::string error;
+  for (int i = 0; i < 4; ++i) {
+    fill.push_back(std::make_unique<net::Socket>());
+    fill.back()->connect("127.0.0.1", port, error, 30, 200);
+  }
+  net::Socket socket;
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(socket.connect("127.0.0.1", port, error, 30, 300));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2)) << error;
+  EXPECT_NE(error.find("timed out"), std::string::npos) << error;
+  ::close(listener);
 }
