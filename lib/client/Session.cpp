@@ -148,13 +148,11 @@ void Session::checkCurrent(const Value &v) {
 }
 
 void Session::close() {
+  // At exit: what is queued and unsent is dropped (nothing can read its results), and the Bye
+  // is sent once, without a resume, so a dead server never delays the exit.
   Lock lock(*this);
-  if (!lost() && transport_.connected()) {
-    try {
-      flush(false); // what is queued still runs; then the server keeps nothing of the session
-    } catch (...) {
-    }
-  }
+  queue_.clear();
+  releases_.clear();
   transport_.close();
 }
 
