@@ -348,11 +348,30 @@ void Transport::recover(const std::string &why, Clock::time_point since) {
 
 void Transport::close() {
   if (socket_.connected() && !lost() && !sessionId_.empty()) {
+    // The Bye waits (briefly) for its reply: a server that sees the connection end before it
+    // has read the Bye would keep the session for a resume. Best effort: a lost Bye costs the
+    // server the grace period, never this client more than a second.
     capnp::MallocMessageBuilder b;
     auto frame = b.initRoot<wire::ClientFrame>();
-    frame.setSeq(nextSeq());
+    const uint64_t seq = nextSeq();
+    frame.setSeq(seq);
+    frame.setWantReply(true);
     frame.initCommands(1)[0].setBye();
-    socket_.sendAll(net::encodeFrame(b, true)); // best effort: a lost Bye costs the grace
+    if (socket_.sendAll(net::encodeFrame(b, true))) {
+      auto until = Clock::now() + std::chrono::seconds(1);
+      for (net::Frame reply; Clock::now() < until;) {
+        int ms = int(std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now())
+                         .count());
+        if (socket_.receive(*decoder_, reply, std::max(ms, 1)) != net::Socket::Status::Ok)
+          break;
+        try {
+          if (net::openFrame(reply, limits_)->getRoot<wire::ServerFrame>().getAckSeq() == seq)
+            break;
+        } catch (const kj::Exception &) {
+          break;
+        }
+      }
+    }
   }
   socket_.close();
 }

@@ -33,7 +33,7 @@ class Relay:
             except OSError:
                 client.close()
                 continue
-            pair = (client, server, time.monotonic())
+            pair = (client, server, time.monotonic(), {"up": 0, "down": 0})
             with self.lock:
                 self.pairs.append(pair)
             threading.Thread(target=self._pump, args=(client, server, "up", pair), daemon=True).start()
@@ -49,6 +49,7 @@ class Relay:
                 self._drop(pair)
                 return
             cut = False
+            pair[3][direction] += 1
             with self.lock:
                 if direction in self.armed:
                     left = self.armed[direction]
@@ -81,11 +82,12 @@ class Relay:
                 pass
             s.close()
 
-    def cut(self, min_age=0.0):
-        """Drops every connection open for at least `min_age` seconds; returns how many."""
-        now = time.monotonic()
+    def cut(self, settled=False):
+        """Drops every connection (with `settled`, only those past their handshake: two reads
+        each way, the Hello and a frame after it up, the challenge or Hello's reply and more
+        down); returns how many."""
         with self.lock:
-            old = [p for p in self.pairs if now - p[2] >= min_age]
+            old = [p for p in self.pairs if not settled or min(p[3].values()) >= 2]
             self.pairs = [p for p in self.pairs if p not in old]
             self.cuts += bool(old)
         for pair in old:
@@ -93,10 +95,11 @@ class Relay:
         return len(old)
 
     def cut_one(self, timeout=10.0):
-        """Cuts once, as soon as a connection has been up for 50 ms (not one still saying
-        Hello): every such cut costs the client exactly one resume."""
+        """Cuts once, as soon as a connection is past its handshake (a cut in the middle of a
+        Hello fails that reconnect, which is retried, not resumed): every such cut costs the
+        client exactly one resume."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self.cut(min_age=0.05):
+        while time.monotonic() < deadline and not self.cut(settled=True):
             time.sleep(0.005)
 
     def cut_after(self, direction, nbytes):

@@ -178,6 +178,34 @@ TEST(Graph, DiffNamesAShapeChange) {
   EXPECT_TRUE(diffGraphs(mulAdd(), mulAdd()).empty());
 }
 
+TEST(Graph, IntegersThatChangeWithTheShapesAreShapeOnly) {
+  // x[:, :n] of an input whose second size is n: the slice end follows the size.
+  auto slice = [](int64_t n) {
+    Graph g;
+    g.inputs = {meta({4, n})};
+    Node s;
+    s.op = Symbol::get("aten::slice_copy.Tensor");
+    s.operands = {0};
+    s.args = {Arg::ref(Arg::Kind::Tensor, 0), Arg::integer(1), Arg::integer(0), Arg::integer(n),
+              Arg::integer(1)};
+    s.outputs = {meta({4, n})};
+    g.nodes.push_back(s);
+    g.outputs = {1};
+    return g;
+  };
+  bool shapesOnly = false;
+  auto lines = diffGraphs(slice(8), slice(9), &shapesOnly);
+  EXPECT_TRUE(shapesOnly);
+  EXPECT_NE(std::find(lines.begin(), lines.end(),
+                      "node 0 (aten::slice_copy.Tensor): integer arguments 8 vs 9"),
+            lines.end());
+  // The same integer change with no change of shape is another constant, not another shape.
+  Graph other = slice(8);
+  other.nodes[0].args[3] = Arg::integer(7);
+  diffGraphs(slice(8), other, &shapesOnly);
+  EXPECT_FALSE(shapesOnly);
+}
+
 TEST(Graph, DiffNamesAddedAndRemovedOps) {
   Graph other = mulAdd();
   other.nodes[1].op = Symbol::get("aten::sub.Tensor");
