@@ -110,6 +110,16 @@ void runIn(wire::Command::Builder cmd, const ir::Hash128 &hash, std::vector<uint
   run.setNumOutputs(outputs);
 }
 
+/// The header of an unpacked frame announcing \p length bytes.
+std::string frameHeader(uint64_t length) {
+  char header[net::kHeaderBytes];
+  uint32_t magic = net::kMagic, flags = 0;
+  memcpy(header, &magic, 4);
+  memcpy(header + 4, &flags, 4);
+  memcpy(header + 8, &length, 8);
+  return std::string(header, sizeof header);
+}
+
 /// The f32[3] a reply's one result holds; empty if it holds something else.
 std::vector<float> vec3Of(const net::Frame &reply) {
   auto r = net::openFrame(reply, wire::Limits());
@@ -333,13 +343,7 @@ TEST(Faults, AnHttpRequestIsRefused) {
 
 TEST(Faults, AFrameClaimingTwoToTheSixtyBytesIsRefusedBeforeAllocating) {
   Peer bad;
-  char header[net::kHeaderBytes];
-  uint32_t magic = net::kMagic, flags = 0;
-  uint64_t length = uint64_t(1) << 60;
-  memcpy(header, &magic, 4);
-  memcpy(header + 4, &flags, 4);
-  memcpy(header + 8, &length, 8);
-  bad.sendRaw(std::string(header, sizeof header));
+  bad.sendRaw(frameHeader(uint64_t(1) << 60));
   EXPECT_TRUE(bad.closedByServer());
   expectGoodSessionUnaffected();
 }
@@ -931,14 +935,8 @@ TEST(Faults, AFrameThatStallsAfterAuthenticationIsClosedByTheFrameTimeout) {
   // The header of a 1 GiB frame (the server takes frames up to 1 GiB) and 100 of its bytes,
   // then nothing: the buffer grows only with what arrives, and --frame-timeout 2 closes it.
   double before = serverRssMiB();
-  char header[net::kHeaderBytes];
-  uint32_t magic = net::kMagic, flags = 0;
-  uint64_t length = uint64_t(1) << 30;
-  memcpy(header, &magic, 4);
-  memcpy(header + 4, &flags, 4);
-  memcpy(header + 8, &length, 8);
   auto start = std::chrono::steady_clock::now();
-  ASSERT_TRUE(bad.sendRaw(std::string(header, sizeof header) + std::string(100, '\0')));
+  ASSERT_TRUE(bad.sendRaw(frameHeader(uint64_t(1) << 30) + std::string(100, '\0')));
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   EXPECT_LT(serverRssMiB() - before, 16);
   EXPECT_TRUE(bad.closedByServer());
