@@ -266,8 +266,7 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
               std::to_string(c.graph.nodes.size()) + " nodes, graph " + c.hash.hex().substr(0, 12));
   if (!lost() && !transport_.connected())
     transport_.connect(); // the graph budget comes with the Hello's reply
-  uint64_t bytes = ir::graphBytes(c.graph);
-  if (hold(c.hash, bytes)) {
+  if (hold(c.hash, c.graph)) {
     Command def;
     def.kind = wire::Command::DEFINE;
     def.hash = c.hash;
@@ -289,11 +288,12 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
   return first;
 }
 
-bool Session::hold(const ir::Hash128 &hash, uint64_t bytes) {
+bool Session::hold(const ir::Hash128 &hash, const ir::Graph &graph) {
   if (auto it = heldIndex_.find(hash); it != heldIndex_.end()) {
     held_.splice(held_.begin(), held_, it->second);
     return false;
   }
+  const uint64_t bytes = ir::graphBytes(graph); // only for a graph the server lacks
   Command forget;
   forget.kind = wire::Command::FORGET;
   while (transport_.graphBudget() && heldBytes_ + bytes > transport_.graphBudget() &&

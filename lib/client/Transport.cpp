@@ -89,16 +89,10 @@ void Transport::lose(const std::string &why) {
 }
 
 bool Transport::open(std::string &error, int timeoutMs) {
-  net::Endpoint ep;
-  if (!net::parseEndpoint(address_, ep)) {
-    error = "RGPU_OPSERVER='" + address_ + "' is neither host:port (e.g. 127.0.0.1:9720) nor "
-            "unix:PATH (e.g. unix:" + net::auth::defaultSocketPath() + ")";
-    return false;
-  }
-  tcp_ = !ep.isUnix();
   decoder_ = std::make_unique<net::FrameDecoder>(limits_.maxFrameBytes);
-  return tcp_ ? socket_.connect(ep.host, ep.port, error, reconnectSeconds_, timeoutMs)
-              : socket_.connectUnix(ep.path, error);
+  return tcp_ ? socket_.connect(endpoint_.host, endpoint_.port, error, reconnectSeconds_,
+                                timeoutMs)
+              : socket_.connectUnix(endpoint_.path, error);
 }
 
 void Transport::connect() {
@@ -106,18 +100,19 @@ void Transport::connect() {
     raise(ErrorKind::SessionLost, lostReason_);
   address_ = address();
   reconnectSeconds_ = reconnectSeconds();
-  std::string error;
-  if (!open(error, reconnectSeconds_ * 1000)) {
-    net::Endpoint ep;
-    bool parsed = net::parseEndpoint(address_, ep);
+  if (!net::parseEndpoint(address_, endpoint_))
     raise(ErrorKind::SessionLost,
-          !parsed ? error
-                  : "cannot reach rgpu-opserver at " + address_ + " (" + error + "). " +
-                        (ep.isUnix() ? std::string("Start `rgpu-opserver` on this machine, or")
-                                     : "Start one with `rgpu-opserver --port " +
-                                           std::to_string(ep.port) + "` on the GPU host, or") +
-                        " point RGPU_OPSERVER at one (see `rgpu-run --help`).");
-  }
+          "RGPU_OPSERVER='" + address_ + "' is neither host:port (e.g. 127.0.0.1:9720) nor "
+          "unix:PATH (e.g. unix:" + net::auth::defaultSocketPath() + ")");
+  tcp_ = !endpoint_.isUnix();
+  std::string error;
+  if (!open(error, reconnectSeconds_ * 1000))
+    raise(ErrorKind::SessionLost,
+          "cannot reach rgpu-opserver at " + address_ + " (" + error + "). " +
+              (tcp_ ? "Start one with `rgpu-opserver --port " + std::to_string(endpoint_.port) +
+                          "` on the GPU host, or"
+                    : std::string("Start `rgpu-opserver` on this machine, or")) +
+              " point RGPU_OPSERVER at one (see `rgpu-run --help`).");
   if (handshake(false, 60000, error) != Hello::Resumed)
     lose(error);
 }

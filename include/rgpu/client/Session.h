@@ -24,7 +24,6 @@
 #include <mutex>
 #include <list>
 #include <map>
-#include <set>
 
 namespace rgpu::client {
 
@@ -242,9 +241,9 @@ private:
   uint64_t heldBytes_ = 0;
   /// Handles below this belong to a session lost before reset(): using them raises.
   uint64_t firstHandle_ = 1;
-  /// Queues what the server needs before a Run of \p hash: nothing if it holds the graph,
-  /// else Forgets that make room and its Define. Returns whether a Define was queued.
-  bool hold(const ir::Hash128 &hash, uint64_t bytes);
+  /// Records that the server is to hold \p graph (hashed \p hash) for its next Run, queueing
+  /// Forgets that make room if it does not hold it yet. True if its Define must be queued.
+  bool hold(const ir::Hash128 &hash, const ir::Graph &graph);
   /// Per graph hash, the location id of each node at its latest run: a remote error names the
   /// user's line as it is now, whatever line first defined the graph.
   std::map<ir::Hash128, std::vector<uint32_t>> nodeLocations_;

@@ -21,6 +21,7 @@
 
 #include <capnp/message.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -75,7 +76,7 @@ private:
   /// Says Hello on the connected socket: a new session, or with \p resume this one. Raises on
   /// authentication and version errors; NoAnswer if the connection failed during it.
   Hello handshake(bool resume, int timeoutMs, std::string &why);
-  /// Connects the socket to address_, giving up after \p timeoutMs.
+  /// Connects the socket to endpoint_ (parsed by connect()), giving up after \p timeoutMs.
   bool open(std::string &error, int timeoutMs);
   /// The next frame that is not a heartbeat; \p ok false if none came within \p timeoutMs.
   net::Frame receiveHandshake(int timeoutMs, bool &ok);
@@ -86,6 +87,7 @@ private:
 
   std::function<void(int, const std::string &)> log_;
   std::string wanted_, address_;
+  net::Endpoint endpoint_;
   bool tcp_ = false;
   net::Socket socket_;
   std::unique_ptr<net::FrameDecoder> decoder_;
@@ -93,7 +95,8 @@ private:
   std::string lostReason_;
   std::string sessionId_, instance_;
   uint64_t graphBudget_ = 0, graceSeconds_ = 0;
-  uint64_t seq_ = 0, acked_ = 0, reconnects_ = 0;
+  uint64_t seq_ = 0, acked_ = 0;
+  std::atomic<uint64_t> reconnects_{0}; ///< read by rgpu.stats() without the session lock
   /// Frames sent and not acknowledged, oldest first.
   std::deque<std::pair<uint64_t, std::string>> kept_;
   uint64_t keptBytes_ = 0;
