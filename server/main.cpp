@@ -123,6 +123,9 @@ executor.
 struct Server;
 
 constexpr uint64_t kHeartbeatMs = 500;
+/// Connections the kernel may hold before they are accepted (it caps this at somaxconn): a burst
+/// past it would leave peers whose handshake the server never sees.
+constexpr int kListenBacklog = 4096;
 
 /// What the I/O loop and the worker pool share of one connection: its queue of frames and, once
 /// its first frame is served, its Session. At most one pool thread serves it at a time, so its
@@ -679,7 +682,7 @@ std::string listenUnix(Server &server, const std::string &path) {
   int rc = uv_pipe_bind(&l->h.pipe, path.c_str());
   if (rc == 0) {
     chmod(path.c_str(), 0600);
-    rc = uv_listen(l->stream(), 511, onConnection);
+    rc = uv_listen(l->stream(), kListenBacklog, onConnection);
   }
   if (rc != 0)
     return "cannot listen on " + path + ": " + uv_strerror(rc);
@@ -700,7 +703,7 @@ std::string listenTcp(Server &server, const std::string &bind, int port, int &bo
   l->h.tcp.data = l.get();
   int rc = uv_tcp_bind(&l->h.tcp, reinterpret_cast<sockaddr *>(&addr), 0);
   if (rc == 0)
-    rc = uv_listen(l->stream(), 511, onConnection);
+    rc = uv_listen(l->stream(), kListenBacklog, onConnection);
   if (rc != 0)
     return "cannot listen on " + bind + ":" + std::to_string(port) + ": " + uv_strerror(rc);
   int len = sizeof addr;

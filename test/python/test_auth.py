@@ -3,6 +3,7 @@ else; and what an unauthenticated flood costs the server."""
 
 import os
 import resource
+import select
 import socket
 import stat
 import subprocess
@@ -141,21 +142,34 @@ def test_two_thousand_idle_connections_cost_little_and_time_out():
     idle = []
     try:
         before = rss_mib(server.proc.pid)
-        for _ in range(2000):
-            s = socket.socket()
-            s.setblocking(False)
-            s.connect_ex(("127.0.0.1", server.port))
-            idle.append(s)
-        time.sleep(0.5)
-        # A real client beside them is served promptly (timed inside the client, whose torch
-        # import is not the server's doing).
+        # In bursts of 200, each accepted (its challenge arrives) before the next: a burst the
+        # kernel's accept queue cannot hold leaves connections the server never sees, which
+        # would linger here until the kernel gives up on them, not by the server's doing.
+        for _ in range(10):
+            burst = []
+            for _ in range(200):
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex(("127.0.0.1", server.port))
+                burst.append(s)
+            idle += burst
+            poll = select.poll()
+            for s in burst:
+                poll.register(s, select.POLLIN)
+            heard, deadline = set(), time.time() + 10
+            while len(heard) < len(burst) and time.time() < deadline:
+                heard.update(fd for fd, _ in poll.poll(200))
+            assert len(heard) == len(burst), f"{len(burst) - len(heard)} never accepted"
+        # A real client beside them is served before the hello timeout, which is what it would
+        # wait if it queued behind the idle ones (timed inside the client, whose torch import
+        # is not the server's doing).
         r = run_client(server.address,
                        "import time, torch, rgpu\nt = time.time()\n"
                        "v = torch.arange(4., device='rgpu').pow(2).sum().item()\n"
                        "print(v, time.time() - t)")
         assert r.returncode == 0, r.stderr
         value, seconds = r.stdout.split()
-        assert value == "14.0" and float(seconds) < 2.0, r.stdout
+        assert value == "14.0" and float(seconds) < 4.0, r.stdout
         grown = rss_mib(server.proc.pid) - before
         print(f"server RSS grew {grown:.1f} MiB with 2000 idle connections")
         assert grown < 64
