@@ -1,6 +1,8 @@
 #include "rgpu/ir/Graph.h"
+#include "rgpu/ir/Symbolic.h"
 
 #include <llvm/ADT/DenseMap.h>
+#include <llvm/ADT/STLExtras.h>
 #include <llvm/ADT/StringMap.h>
 #include <llvm/Support/Allocator.h>
 #include <llvm/Support/xxhash.h>
@@ -126,26 +128,37 @@ int64_t TensorMeta::storageBytes() const {
   return bytes;
 }
 
-std::string TensorMeta::str() const {
-  std::string s = dtype::name(dtype) + "[";
-  bool contiguous = true;
+namespace {
+bool isContiguous(const TensorMeta &m) {
   int64_t expect = 1;
-  for (size_t i = sizes.size(); i-- > 0 && contiguous;) {
-    if (i >= strides.size() || (sizes[i] != 1 && strides[i] != expect))
-      contiguous = false;
-    if (__builtin_mul_overflow(expect, sizes[i], &expect)) // a peer's sizes: never contiguous
-      contiguous = false;
+  for (size_t i = m.sizes.size(); i-- > 0;) {
+    if (i >= m.strides.size() || (m.sizes[i] != 1 && m.strides[i] != expect))
+      return false;
+    if (__builtin_mul_overflow(expect, m.sizes[i], &expect)) // a peer's sizes: never contiguous
+      return false;
   }
-  for (size_t i = 0; i < sizes.size(); ++i)
-    s += (i ? "," : "") + std::to_string(sizes[i]);
+  return true;
+}
+
+/// "f32[8,32]", strides appended if \p layout is not contiguous; each integer's text comes from
+/// \p text(position offset within the meta, value).
+template <class F> std::string metaText(const TensorMeta &m, const TensorMeta &layout, F &&text) {
+  std::string s = dtype::name(m.dtype) + "[";
+  for (size_t i = 0; i < m.sizes.size(); ++i)
+    s += (i ? "," : "") + text(i, m.sizes[i]);
   s += "]";
-  if (!contiguous) {
+  if (!isContiguous(layout)) {
     s += "{";
-    for (size_t i = 0; i < strides.size(); ++i)
-      s += (i ? "," : "") + std::to_string(strides[i]);
+    for (size_t i = 0; i < m.strides.size(); ++i)
+      s += (i ? "," : "") + text(m.sizes.size() + i, m.strides[i]);
     s += "}";
   }
   return s;
+}
+} // namespace
+
+std::string TensorMeta::str() const {
+  return metaText(*this, *this, [](size_t, int64_t v) { return std::to_string(v); });
 }
 
 bool Arg::operator==(const Arg &o) const {
@@ -158,7 +171,8 @@ bool Arg::operator==(const Arg &o) const {
 
 bool sameStructure(const Graph &a, const Graph &b) {
   if (a.inputs != b.inputs || a.scalars != b.scalars || a.outputs != b.outputs ||
-      a.nodes.size() != b.nodes.size())
+      a.nodes.size() != b.nodes.size() || a.symbolCount != b.symbolCount ||
+      a.symbolic != b.symbolic)
     return false;
   for (size_t i = 0; i < a.nodes.size(); ++i) {
     const Node &x = a.nodes[i], &y = b.nodes[i];
@@ -316,18 +330,21 @@ public:
     u64(s.size());
     buf.append(s.data(), s.size());
   }
+  /// Writes 0 for every position (see Symbolic.h): the skeleton's hash.
+  bool skeleton = false;
+  void position(int64_t v) { u64(skeleton ? 0 : v); }
   void meta(const TensorMeta &m) {
     u64(uint64_t(uint8_t(m.dtype)) | uint64_t(m.sizes.size()) << 8);
     for (int64_t s : m.sizes)
-      u64(s);
+      position(s);
     for (int64_t s : m.strides)
-      u64(s);
+      position(s);
   }
 };
-} // namespace
 
-Hash128 hashGraph(const Graph &g) {
+Hash128 hashGraph(const Graph &g, bool skeleton) {
   HashWriter w;
+  w.skeleton = skeleton;
   w.buf.reserve(64 + g.nodes.size() * 96);
   w.u64(0); // salt slot, see below
   w.u64(g.inputs.size());
@@ -353,6 +370,9 @@ Hash128 hashGraph(const Graph &g) {
       case Arg::Kind::Device:
         w.str(size_t(a.i) < n.strings.size() ? StringRef(n.strings[a.i]) : StringRef());
         break;
+      case Arg::Kind::Int:
+        w.position(a.i);
+        break;
       default:
         w.u64(a.i);
       }
@@ -370,6 +390,18 @@ Hash128 hashGraph(const Graph &g) {
   w.u64(g.outputs.size());
   for (uint32_t v : g.outputs)
     w.u64(v);
+  if (g.symbolCount && !skeleton) { // a static graph hashes as it did before symbols existed
+    w.u64(g.symbolCount);
+    w.u64(g.symbolic.size());
+    for (const SymbolicInt &s : g.symbolic) {
+      w.u64(s.position);
+      w.u64(s.expr.coef);
+      w.u64(s.expr.offset);
+      w.u64(s.expr.factors.size());
+      for (uint16_t f : s.expr.factors)
+        w.u64(f);
+    }
+  }
   // Two independent 64-bit hashes: the second sees a different leading word.
   Hash128 h;
   h.hi = xxHash64(StringRef(w.buf));
@@ -378,6 +410,10 @@ Hash128 hashGraph(const Graph &g) {
   h.lo = xxHash64(StringRef(w.buf));
   return h;
 }
+} // namespace
+
+Hash128 hashGraph(const Graph &g) { return hashGraph(g, false); }
+Hash128 skeletonHash(const Graph &g) { return hashGraph(g, true); }
 
 //===----------------------------------------------------------------------===//
 // Structural verification
@@ -448,12 +484,90 @@ std::string verifyStructure(const Graph &g) {
   for (const ScalarSlot &s : g.scalars)
     if (!dtype::isValid(s.dtype) || uint8_t(s.form) > uint8_t(ScalarForm::Tensor0d))
       return "invalid scalar slot";
+  if (g.symbolic.empty() != (g.symbolCount == 0) || g.symbolCount > kMaxSymbols)
+    return "invalid symbol count " + std::to_string(g.symbolCount);
+  if (!g.symbolic.empty()) {
+    std::vector<int64_t> values = positions(g);
+    for (size_t k = 0; k < g.symbolic.size(); ++k) {
+      const SymbolicInt &s = g.symbolic[k];
+      if (s.position >= values.size() || (k && s.position <= g.symbolic[k - 1].position))
+        return "symbolic position " + std::to_string(s.position) + " out of order or range";
+      if (values[s.position] != 0)
+        return "symbolic position " + std::to_string(s.position) + " holds a value";
+      if (s.expr.factors.size() > SymExpr::kMaxFactors)
+        return "symbolic position " + std::to_string(s.position) + " has too many factors";
+      for (uint16_t f : s.expr.factors)
+        if (f >= g.symbolCount)
+          return "symbolic position " + std::to_string(s.position) + " names symbol s" +
+                 std::to_string(f) + " of " + std::to_string(g.symbolCount);
+    }
+  }
   return "";
 }
 
 //===----------------------------------------------------------------------===//
 // Diff
 //===----------------------------------------------------------------------===//
+
+namespace {
+/// The text of every integer of a graph: symbolic ones by their expressions ("s0+1").
+class PositionTexts {
+public:
+  explicit PositionTexts(const Graph &g) : g_(g), metas_(g.valueMetas()) {
+    uint64_t p = 0;
+    forEachPositionStart(g, p);
+    if (!g.symbolCount)
+      return;
+    // Layouts are judged contiguous or not with the symbols at some sizes no broadcast rule
+    // treats specially.
+    sample_ = std::make_unique<Graph>(g);
+    llvm::SmallVector<int64_t, 8> values;
+    for (uint32_t k = 0; k < g.symbolCount; ++k)
+      values.push_back(1009 + 2 * k);
+    if (instantiate(*sample_, values))
+      sampleMetas_ = sample_->valueMetas();
+    else
+      sample_.reset();
+  }
+  /// The text of the integer at \p position, whose value is \p v.
+  std::string at(uint64_t position, int64_t v) const {
+    auto it = std::lower_bound(g_.symbolic.begin(), g_.symbolic.end(), position,
+                               [](const SymbolicInt &s, uint64_t p) { return s.position < p; });
+    if (it != g_.symbolic.end() && it->position == position)
+      return it->expr.str();
+    return std::to_string(v);
+  }
+  std::string meta(uint32_t value) const {
+    const TensorMeta &m = *metas_[value];
+    uint64_t start = valueStart_[value];
+    return metaText(m, sample_ ? *sampleMetas_[value] : m,
+                    [&](size_t i, int64_t v) { return at(start + i, v); });
+  }
+  /// Position of node \p n's first Int argument.
+  uint64_t argStart(size_t n) const { return argStart_[n]; }
+
+private:
+  void forEachPositionStart(const Graph &g, uint64_t &p) {
+    for (const TensorMeta &m : g.inputs) {
+      valueStart_.push_back(p);
+      p += m.sizes.size() + m.strides.size();
+    }
+    for (const Node &n : g.nodes) {
+      argStart_.push_back(p);
+      for (const Arg &a : n.args)
+        p += a.kind == Arg::Kind::Int;
+      for (const TensorMeta &m : n.outputs) {
+        valueStart_.push_back(p);
+        p += m.sizes.size() + m.strides.size();
+      }
+    }
+  }
+  const Graph &g_;
+  std::vector<const TensorMeta *> metas_, sampleMetas_;
+  std::unique_ptr<Graph> sample_;
+  std::vector<uint64_t> valueStart_, argStart_;
+};
+} // namespace
 
 std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapesOnly) {
   std::vector<std::string> lines;
@@ -462,10 +576,14 @@ std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapes
   auto count = [](const char *what, size_t x, size_t y) {
     return std::string(what) + ": " + std::to_string(x) + " vs " + std::to_string(y);
   };
+  const PositionTexts ta(a), tb(b);
+  if (a.symbolCount != b.symbolCount)
+    lines.push_back(count("size symbols", a.symbolCount, b.symbolCount) + " (" +
+                    std::to_string(a.symbolic.size()) + " vs " +
+                    std::to_string(b.symbolic.size()) + " integers follow them)");
   for (size_t i = 0; i < std::min(a.inputs.size(), b.inputs.size()); ++i)
     if (a.inputs[i] != b.inputs[i])
-      lines.push_back("input " + std::to_string(i) + ": " + a.inputs[i].str() + " vs " +
-                      b.inputs[i].str());
+      lines.push_back("input " + std::to_string(i) + ": " + ta.meta(i) + " vs " + tb.meta(i));
   if (a.inputs.size() != b.inputs.size()) {
     lines.push_back(count("inputs", a.inputs.size(), b.inputs.size()));
     structural = true;
@@ -486,7 +604,8 @@ std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapes
   if (firstOpDiff == common && a.nodes.size() == b.nodes.size()) {
     // Same ops in the same order: report differing constants and the first few output metas.
     size_t metaLines = 0, moreMetas = 0;
-    for (size_t n = 0; n < common; ++n) {
+    uint32_t value = a.inputs.size(); // of node n's first output, in both graphs
+    for (size_t n = 0; n < common; value += a.nodes[n].outputs.size(), ++n) {
       const Node &x = a.nodes[n], &y = b.nodes[n];
       std::string where = "node " + std::to_string(n) + " (" + x.op.str().str() + ")";
       if (x.args != y.args || x.strings != y.strings || x.operands != y.operands) {
@@ -495,12 +614,16 @@ std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapes
         bool intsOnly = x.strings == y.strings && x.operands == y.operands &&
                         x.args.size() == y.args.size();
         std::string ints;
+        uint64_t pa = ta.argStart(n), pb = tb.argStart(n);
         for (size_t k = 0; intsOnly && k < x.args.size(); ++k) {
-          if (x.args[k] == y.args[k])
-            continue;
-          intsOnly = x.args[k].kind == Arg::Kind::Int && y.args[k].kind == Arg::Kind::Int;
-          ints += (ints.empty() ? "" : ", ") + std::to_string(x.args[k].i) + " vs " +
-                  std::to_string(y.args[k].i);
+          bool isInt = x.args[k].kind == Arg::Kind::Int && y.args[k].kind == Arg::Kind::Int;
+          if (!(x.args[k] == y.args[k])) {
+            intsOnly = isInt;
+            ints += (ints.empty() ? "" : ", ") + ta.at(pa, x.args[k].i) + " vs " +
+                    tb.at(pb, y.args[k].i);
+          }
+          pa += x.args[k].kind == Arg::Kind::Int;
+          pb += y.args[k].kind == Arg::Kind::Int;
         }
         if (intsOnly) {
           lines.push_back(where + ": integer arguments " + ints);
@@ -514,8 +637,10 @@ std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapes
         if (metaLines++ < 3) {
           std::string l = where + ": ";
           for (size_t o = 0; o < std::max(x.outputs.size(), y.outputs.size()); ++o)
-            l += (o ? ", " : "") + (o < x.outputs.size() ? x.outputs[o].str() : "-") + " vs " +
-                 (o < y.outputs.size() ? y.outputs[o].str() : "-");
+            l += (o ? ", " : "") + (o < x.outputs.size() ? ta.meta(value + o) : "-") + " vs " +
+                 (o < y.outputs.size() && y.outputs.size() == x.outputs.size()
+                      ? tb.meta(value + o)
+                      : "-");
           lines.push_back(l);
         } else {
           ++moreMetas;
@@ -555,11 +680,13 @@ std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapes
 //===----------------------------------------------------------------------===//
 
 namespace {
-void printArg(const Node &n, const Arg &a, raw_ostream &os) {
+using IntText = llvm::function_ref<std::string(int64_t)>;
+
+void printArg(const Node &n, const Arg &a, raw_ostream &os, IntText intText) {
   switch (a.kind) {
   case Arg::Kind::None: os << "None"; break;
   case Arg::Kind::Bool: os << (a.i ? "True" : "False"); break;
-  case Arg::Kind::Int: os << a.i; break;
+  case Arg::Kind::Int: os << intText(a.i); break;
   case Arg::Kind::Double: os << a.d; break;
   case Arg::Kind::Str: os << '"' << n.strings[a.i] << '"'; break;
   case Arg::Kind::Device: os << "device(" << n.strings[a.i] << ")"; break;
@@ -569,20 +696,20 @@ void printArg(const Node &n, const Arg &a, raw_ostream &os) {
   }
 }
 
-void printArgs(const Node &n, raw_ostream &os) {
+void printArgs(const Node &n, raw_ostream &os, IntText intText) {
   for (size_t i = 0; i < n.args.size(); ++i) {
     if (i)
       os << ", ";
     const Arg &a = n.args[i];
     if (a.kind != Arg::Kind::List) {
-      printArg(n, a, os);
+      printArg(n, a, os, intText);
       continue;
     }
     os << "[";
     for (int64_t k = 1; k <= a.i; ++k) {
       if (k > 1)
         os << ", ";
-      printArg(n, n.args[i + k], os);
+      printArg(n, n.args[i + k], os, intText);
     }
     os << "]";
     i += a.i;
@@ -599,22 +726,27 @@ std::vector<int64_t> producers(const Graph &g) {
 } // namespace
 
 void printText(const Graph &g, raw_ostream &os) {
-  auto metas = g.valueMetas();
+  const PositionTexts texts(g);
+  if (g.symbolCount)
+    os << "# symbolic over s0.." << "s" << g.symbolCount - 1 << ": " << g.symbolic.size()
+       << " integers follow the sizes of each run\n";
   for (size_t i = 0; i < g.inputs.size(); ++i)
-    os << "%" << i << " = input " << i << " : " << g.inputs[i].str() << "\n";
+    os << "%" << i << " = input " << i << " : " << texts.meta(i) << "\n";
   for (size_t s = 0; s < g.scalars.size(); ++s)
     os << "$" << s << " = scalar " << dtype::name(g.scalars[s].dtype)
        << (g.scalars[s].form == ScalarForm::Scalar ? "" : " tensor") << "\n";
   uint32_t v = g.inputs.size();
-  for (const Node &n : g.nodes) {
+  for (size_t k = 0; k < g.nodes.size(); ++k) {
+    const Node &n = g.nodes[k];
     std::string results;
     for (size_t o = 0; o < n.outputs.size(); ++o)
       results += (o ? ", %" : "%") + std::to_string(v + o);
     os << (results.empty() ? "()" : results) << " = " << n.op.str() << "(";
-    printArgs(n, os);
+    uint64_t position = texts.argStart(k);
+    printArgs(n, os, [&](int64_t i) { return texts.at(position++, i); });
     os << ") : ";
     for (size_t o = 0; o < n.outputs.size(); ++o)
-      os << (o ? ", " : "") << n.outputs[o].str();
+      os << (o ? ", " : "") << texts.meta(v + o);
     if (n.loc)
       os << "  # " << g.locations[n.loc];
     os << "\n";
@@ -654,7 +786,7 @@ uint64_t graphBytes(const Graph &g) {
   auto meta = [](const TensorMeta &m) { return sizeof(TensorMeta) + 16 * m.sizes.size(); };
   auto text = [](const std::string &s) { return sizeof(std::string) + s.size(); };
   uint64_t bytes = sizeof(Graph) + g.scalars.size() * sizeof(ScalarSlot) +
-                   g.outputs.size() * sizeof(uint32_t);
+                   g.outputs.size() * sizeof(uint32_t) + g.symbolic.size() * sizeof(SymbolicInt);
   for (const TensorMeta &m : g.inputs)
     bytes += meta(m);
   for (const std::string &l : g.locations)

@@ -155,7 +155,39 @@ struct Hash128 {
   static bool parse(llvm::StringRef text, Hash128 &out);
 };
 
+/// An integer of a symbolic graph as a function of the graph's size symbols s0, s1, ...:
+/// `coef * s[factors[0]] * s[factors[1]] + offset`, with at most kMaxFactors factors.
+/// The most size symbols a graph may have.
+constexpr uint32_t kMaxSymbols = 64;
+
+struct SymExpr {
+  static constexpr size_t kMaxFactors = 2;
+  int64_t coef = 1, offset = 0;
+  llvm::SmallVector<uint16_t, 2> factors;
+  /// The value for the symbols \p s; false if it overflows int64 or names a symbol past \p s.
+  bool eval(llvm::ArrayRef<int64_t> s, int64_t &out) const;
+  /// "s0", "64*s1", "s0+1", "s0*s1".
+  std::string str() const;
+  bool operator==(const SymExpr &o) const {
+    return coef == o.coef && offset == o.offset && factors == o.factors;
+  }
+};
+
+/// One integer of a symbolic graph that follows its symbols: the integer at \p position in
+/// forEachPosition's order (rgpu/ir/Symbolic.h).
+struct SymbolicInt {
+  uint64_t position = 0;
+  SymExpr expr;
+  bool operator==(const SymbolicInt &o) const {
+    return position == o.position && expr == o.expr;
+  }
+};
+
 /// A functional graph. Value ids number the inputs first, then every node output in node order.
+///
+/// A symbolic graph stands for every graph that differs from it only in the integers listed in
+/// `symbolic` (sizes, strides and integer arguments), each a function of `symbolCount` size
+/// symbols whose values travel with each Run; it holds 0 in those places.
 struct Graph {
   llvm::SmallVector<TensorMeta, 8> inputs;
   llvm::SmallVector<ScalarSlot, 8> scalars;
@@ -163,6 +195,8 @@ struct Graph {
   llvm::SmallVector<uint32_t, 8> outputs;
   /// Source locations ("file.py:12"); entry 0 is the empty location. Not hashed.
   std::vector<std::string> locations{std::string()};
+  uint32_t symbolCount = 0;
+  std::vector<SymbolicInt> symbolic; ///< By increasing position.
 
   /// Total number of values (inputs plus node outputs).
   uint32_t valueCount() const;
@@ -185,11 +219,13 @@ struct Canonical {
 /// Puts \p g into canonical form: nodes in post-order of a depth-first walk from the outputs (in
 /// their given order), inputs and scalar slots numbered by first use, and nodes no output needs
 /// removed. Two traces of the same program get the same canonical graph whatever their handle
-/// numbers or the order in which their inputs were met. \p g must be well formed (see verify).
+/// numbers or the order in which their inputs were met. \p g must be well formed (see verify)
+/// and static: the canonical form of a symbolic graph keeps none of its symbols.
 Canonical canonicalize(const Graph &g);
 
-/// The 128-bit structural hash of a graph: ops, args, operand wiring, input/output metas and
-/// scalar slot types. Not data, scalar values or locations. Two independent 64-bit xxHashes.
+/// The 128-bit structural hash of a graph: ops, args, operand wiring, input/output metas,
+/// scalar slot types and symbolic integers. Not data, scalar values, symbol values or
+/// locations. Two independent 64-bit xxHashes.
 Hash128 hashGraph(const Graph &g);
 
 /// What \p g costs to hold, in bytes: an estimate of its size in memory from its content alone,

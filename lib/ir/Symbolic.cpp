@@ -1,0 +1,232 @@
+#include "rgpu/ir/Symbolic.h"
+
+#include <algorithm>
+
+namespace rgpu::ir {
+
+bool SymExpr::eval(llvm::ArrayRef<int64_t> s, int64_t &out) const {
+  int64_t v = coef;
+  for (uint16_t f : factors)
+    if (f >= s.size() || __builtin_mul_overflow(v, s[f], &v))
+      return false;
+  return !__builtin_add_overflow(v, offset, &out);
+}
+
+std::string SymExpr::str() const {
+  std::string s;
+  if (factors.empty())
+    return std::to_string(coef + offset);
+  if (coef == -1)
+    s = "-";
+  else if (coef != 1)
+    s = std::to_string(coef) + "*";
+  for (size_t k = 0; k < factors.size(); ++k)
+    s += (k ? "*s" : "s") + std::to_string(factors[k]);
+  if (offset > 0)
+    s += "+" + std::to_string(offset);
+  else if (offset < 0)
+    s += std::to_string(offset);
+  return s;
+}
+
+std::vector<int64_t> positions(const Graph &g) {
+  std::vector<int64_t> out;
+  forEachPosition(g, [&](int64_t v) { out.push_back(v); });
+  return out;
+}
+
+namespace {
+
+/// c and d with v[k] == c * x[k] + d for every observation k (d == 0 unless \p offset), c != 0.
+bool fitAffine(llvm::ArrayRef<int64_t> x, llvm::ArrayRef<int64_t> v, bool offset, int64_t &c,
+               int64_t &d) {
+  size_t k1 = 1;
+  while (k1 < x.size() && x[k1] == x[0])
+    ++k1;
+  if (k1 == x.size())
+    return false; // x never varies, v does
+  int64_t dv, dx;
+  if (__builtin_sub_overflow(v[k1], v[0], &dv) || __builtin_sub_overflow(x[k1], x[0], &dx) ||
+      dv % dx != 0)
+    return false;
+  c = dv / dx;
+  int64_t cx;
+  if (c == 0 || __builtin_mul_overflow(c, x[0], &cx) || __builtin_sub_overflow(v[0], cx, &d) ||
+      (!offset && d != 0))
+    return false;
+  for (size_t k = 0; k < x.size(); ++k) {
+    int64_t y;
+    if (__builtin_mul_overflow(c, x[k], &y) || __builtin_add_overflow(y, d, &y) || y != v[k])
+      return false;
+  }
+  return true;
+}
+
+} // namespace
+
+bool generalize(const Graph &sample, llvm::ArrayRef<std::vector<int64_t>> observations,
+                uint32_t &symbolCount, std::vector<SymbolicInt> &symbolic, uint32_t maxSymbols) {
+  if (observations.size() < 2)
+    return false;
+  const size_t n = observations[0].size(), k = observations.size();
+  for (const auto &o : observations)
+    if (o.size() != n)
+      return false;
+  // Positions that are input sizes: these are symbols themselves, never expressions.
+  std::vector<bool> inputSize(n, false);
+  {
+    size_t p = 0;
+    for (const TensorMeta &m : sample.inputs) {
+      for (size_t d = 0; d < m.sizes.size() && p + d < n; ++d)
+        inputSize[p + d] = true;
+      p += m.sizes.size() + m.strides.size();
+    }
+  }
+  symbolCount = 0;
+  symbolic.clear();
+  std::vector<std::vector<int64_t>> sym; // per symbol, its value in each observation
+  llvm::SmallVector<int64_t, 8> v(k), x(k);
+  for (size_t p = 0; p < n; ++p) {
+    bool varies = false;
+    for (size_t j = 0; j < k; ++j) {
+      v[j] = observations[j][p];
+      varies |= v[j] != v[0];
+    }
+    if (!varies)
+      continue;
+    SymbolicInt s;
+    s.position = p;
+    bool found = false;
+    // Candidates, simplest first: a symbol itself, a multiple of one, of a product of two, then
+    // the same with an offset. An input's size may only be a symbol itself.
+    for (int offset = 0; offset < 2 && !found; ++offset) {
+      for (size_t a = 0; a < sym.size() && !found; ++a) {
+        int64_t c, d;
+        if (fitAffine(sym[a], v, offset, c, d) && (!inputSize[p] || (c == 1 && d == 0))) {
+          s.expr = {c, d, {uint16_t(a)}};
+          found = true;
+        }
+      }
+      for (size_t a = 0; a < sym.size() && !found && !inputSize[p]; ++a)
+        for (size_t b = a + 1; b < sym.size() && !found; ++b) {
+          bool ok = true;
+          for (size_t j = 0; j < k && ok; ++j)
+            ok = !__builtin_mul_overflow(sym[a][j], sym[b][j], &x[j]);
+          int64_t c, d;
+          if (ok && fitAffine(x, v, offset, c, d)) {
+            s.expr = {c, d, {uint16_t(a), uint16_t(b)}};
+            found = true;
+          }
+        }
+    }
+    if (!found) {
+      if (symbolCount == maxSymbols)
+        return false;
+      s.expr = {1, 0, {uint16_t(symbolCount++)}};
+      sym.emplace_back(v.begin(), v.end());
+    }
+    symbolic.push_back(std::move(s));
+  }
+  return symbolCount > 0;
+}
+
+Graph makeSymbolic(const Graph &concrete, uint32_t symbolCount,
+                   std::vector<SymbolicInt> symbolic) {
+  Graph g = concrete;
+  size_t p = 0, next = 0;
+  forEachPosition(g, [&](int64_t &v) {
+    if (next < symbolic.size() && symbolic[next].position == p) {
+      v = 0;
+      ++next;
+    }
+    ++p;
+  });
+  g.symbolCount = symbolCount;
+  g.symbolic = std::move(symbolic);
+  return g;
+}
+
+bool matchPositions(const Graph &g, llvm::ArrayRef<int64_t> gPositions,
+                    llvm::ArrayRef<int64_t> concrete, llvm::SmallVectorImpl<int64_t> &symbols) {
+  if (gPositions.size() != concrete.size())
+    return false;
+  symbols.assign(g.symbolCount, 0);
+  llvm::SmallVector<bool, 8> known(g.symbolCount, false);
+  size_t next = 0;
+  for (size_t p = 0; p < concrete.size(); ++p) {
+    if (next == g.symbolic.size() || g.symbolic[next].position != p) {
+      if (gPositions[p] != concrete[p])
+        return false;
+      continue;
+    }
+    const SymExpr &e = g.symbolic[next++].expr;
+    if (e.coef == 1 && e.offset == 0 && e.factors.size() == 1 && !known[e.factors[0]]) {
+      symbols[e.factors[0]] = concrete[p];
+      known[e.factors[0]] = true;
+      continue;
+    }
+    int64_t want;
+    for (uint16_t f : e.factors)
+      if (!known[f])
+        return false;
+    if (!e.eval(symbols, want) || want != concrete[p])
+      return false;
+  }
+  return std::all_of(known.begin(), known.end(), [](bool b) { return b; });
+}
+
+bool instantiate(Graph &g, llvm::ArrayRef<int64_t> symbols) {
+  if (symbols.size() != g.symbolCount)
+    return false;
+  size_t p = 0, next = 0;
+  bool ok = true;
+  forEachPosition(g, [&](int64_t &v) {
+    if (next < g.symbolic.size() && g.symbolic[next].position == p)
+      ok &= g.symbolic[next++].expr.eval(symbols, v);
+    ++p;
+  });
+  g.symbolCount = 0;
+  g.symbolic.clear();
+  return ok;
+}
+
+bool ShapeFamilies::fit(const Graph &concrete, Fit &out) {
+  Hash128 key = skeletonHash(concrete);
+  Family &family = families_[{key.hi, key.lo}];
+  std::vector<int64_t> values = positions(concrete);
+  for (auto it = family.graphs.rbegin(); it != family.graphs.rend(); ++it)
+    if (matchPositions(*it->graph, it->positions, values, out.symbols)) {
+      out.graph = it->graph;
+      out.hash = it->hash;
+      out.isNew = false;
+      return true;
+    }
+  if (!family.first) {
+    family.first = std::make_unique<Graph>(concrete);
+    family.observed.push_back(std::move(values));
+    return false;
+  }
+  if (std::find(family.observed.begin(), family.observed.end(), values) != family.observed.end() ||
+      family.graphs.size() == kMaxGraphs)
+    return false;
+  if (family.observed.size() == kMaxObserved)
+    family.observed.erase(family.observed.begin() + 1); // keep the first: it made the skeleton
+  family.observed.push_back(std::move(values));
+  uint32_t count;
+  std::vector<SymbolicInt> symbolic;
+  if (!generalize(*family.first, family.observed, count, symbolic))
+    return false;
+  Symbolic s;
+  s.graph = std::make_shared<const Graph>(makeSymbolic(*family.first, count, std::move(symbolic)));
+  s.hash = hashGraph(*s.graph);
+  s.positions = positions(*s.graph);
+  if (!matchPositions(*s.graph, s.positions, family.observed.back(), out.symbols))
+    return false; // cannot happen: it was generalized from this very observation
+  out.graph = s.graph;
+  out.hash = s.hash;
+  out.isNew = true;
+  family.graphs.push_back(std::move(s));
+  return true;
+}
+
+} // namespace rgpu::ir
