@@ -514,8 +514,7 @@ namespace {
 class PositionTexts {
 public:
   explicit PositionTexts(const Graph &g) : g_(g), metas_(g.valueMetas()) {
-    uint64_t p = 0;
-    forEachPositionStart(g, p);
+    indexPositions();
     if (!g.symbolCount)
       return;
     // Layouts are judged contiguous or not with the symbols at some sizes no broadcast rule
@@ -547,12 +546,15 @@ public:
   uint64_t argStart(size_t n) const { return argStart_[n]; }
 
 private:
-  void forEachPositionStart(const Graph &g, uint64_t &p) {
-    for (const TensorMeta &m : g.inputs) {
+  /// The first position of each value's layout and of each node's arguments, in
+  /// forEachPosition's order.
+  void indexPositions() {
+    uint64_t p = 0;
+    for (const TensorMeta &m : g_.inputs) {
       valueStart_.push_back(p);
       p += m.sizes.size() + m.strides.size();
     }
-    for (const Node &n : g.nodes) {
+    for (const Node &n : g_.nodes) {
       argStart_.push_back(p);
       for (const Arg &a : n.args)
         p += a.kind == Arg::Kind::Int;
@@ -604,8 +606,9 @@ std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapes
   if (firstOpDiff == common && a.nodes.size() == b.nodes.size()) {
     // Same ops in the same order: report differing constants and the first few output metas.
     size_t metaLines = 0, moreMetas = 0;
-    uint32_t value = a.inputs.size(); // of node n's first output, in both graphs
-    for (size_t n = 0; n < common; value += a.nodes[n].outputs.size(), ++n) {
+    uint32_t va = a.inputs.size(), vb = b.inputs.size(); // node n's first output in each
+    for (size_t n = 0; n < common;
+         va += a.nodes[n].outputs.size(), vb += b.nodes[n].outputs.size(), ++n) {
       const Node &x = a.nodes[n], &y = b.nodes[n];
       std::string where = "node " + std::to_string(n) + " (" + x.op.str().str() + ")";
       if (x.args != y.args || x.strings != y.strings || x.operands != y.operands) {
@@ -637,10 +640,8 @@ std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapes
         if (metaLines++ < 3) {
           std::string l = where + ": ";
           for (size_t o = 0; o < std::max(x.outputs.size(), y.outputs.size()); ++o)
-            l += (o ? ", " : "") + (o < x.outputs.size() ? ta.meta(value + o) : "-") + " vs " +
-                 (o < y.outputs.size() && y.outputs.size() == x.outputs.size()
-                      ? tb.meta(value + o)
-                      : "-");
+            l += (o ? ", " : "") + (o < x.outputs.size() ? ta.meta(va + o) : "-") + " vs " +
+                 (o < y.outputs.size() ? tb.meta(vb + o) : "-");
           lines.push_back(l);
         } else {
           ++moreMetas;

@@ -155,11 +155,11 @@ struct Hash128 {
   static bool parse(llvm::StringRef text, Hash128 &out);
 };
 
-/// An integer of a symbolic graph as a function of the graph's size symbols s0, s1, ...:
-/// `coef * s[factors[0]] * s[factors[1]] + offset`, with at most kMaxFactors factors.
 /// The most size symbols a graph may have.
 constexpr uint32_t kMaxSymbols = 64;
 
+/// An integer of a symbolic graph as a function of the graph's size symbols s0, s1, ...:
+/// `coef * s[factors[0]] * s[factors[1]] + offset`, with at most kMaxFactors factors.
 struct SymExpr {
   static constexpr size_t kMaxFactors = 2;
   int64_t coef = 1, offset = 0;

@@ -165,10 +165,7 @@ TEST(Symbolic, AFamilyStopsGeneralizingAfterItsLimit) {
   ShapeFamilies families;
   ShapeFamilies::Fit fit;
   // Every graph has its own unrelated constant pattern: [n, n*n + k] with a fresh k.
-  auto weird = [](int64_t n) {
-    Graph g = batch(n, n * n + 3 * n % 7);
-    return g;
-  };
+  auto weird = [](int64_t n) { return batch(n, n * n + 3 * n % 7); };
   size_t made = 0;
   for (int64_t n = 2; n < 40; ++n)
     if (families.fit(weird(n), fit) && fit.isNew)
@@ -199,4 +196,17 @@ TEST(Symbolic, VerifyRefusesMalformedSymbols) {
   bad = g;
   bad.symbolic[1].expr.coef = int64_t(1) << 62;
   EXPECT_FALSE(instantiate(bad, {int64_t(1) << 40}));
+}
+
+TEST(Symbolic, ADiffPastANodeWithMoreOutputsNamesEachGraphsOwnValues) {
+  // b's first node has one more output, so its later value ids are one ahead of a's.
+  Graph a = batch(2, 3), b = batch(2, 3);
+  b.nodes[0].outputs.push_back(meta({7}));
+  b.nodes[1].operands = {2};
+  b.nodes[1].outputs = {meta({5})};
+  b.outputs = {4};
+  auto lines = diffGraphs(a, b);
+  EXPECT_NE(std::find(lines.begin(), lines.end(),
+                      "node 1 (aten::view_copy.default): f32[6] vs f32[5]"),
+            lines.end()) << llvm::join(lines, "\n");
 }
