@@ -209,4 +209,9 @@ TEST(Symbolic, ADiffPastANodeWithMoreOutputsNamesEachGraphsOwnValues) {
   EXPECT_NE(std::find(lines.begin(), lines.end(),
                       "node 1 (aten::view_copy.default): f32[6] vs f32[5]"),
             lines.end()) << llvm::join(lines, "\n");
+  // The other way round a's ids would run past the end of b's values.
+  lines = diffGraphs(b, a);
+  EXPECT_NE(std::find(lines.begin(), lines.end(),
+                      "node 1 (aten::view_copy.default): f32[5] vs f32[6]"),
+            lines.end()) << llvm::join(lines, "\n");
 }
