@@ -6,6 +6,7 @@
 // implementation of the format.
 //
 //===----------------------------------------------------------------------===//
+#include "rgpu/ir/Symbolic.h"
 #include "rgpu/wire/Cache.h"
 #include "rgpu/wire/Wire.h"
 
@@ -56,8 +57,20 @@ ir::ScalarValue scalarValue(py::handle o) {
   return v;
 }
 
+/// A size expression as (coef, offset, [symbol, ...]).
+py::tuple exprTuple(const ir::SymExpr &e) {
+  py::list factors;
+  for (uint16_t f : e.factors)
+    factors.append(int(f));
+  return py::make_tuple(e.coef, e.offset, factors);
+}
+
 /// The job as plain Python data. Args stay flattened, as (kind, value) pairs; strings and
 /// devices are resolved to their text, tensor and scalar references to value ids and slots.
+/// A symbolic graph comes with the sizes of the run that asked for the compile, and with the
+/// expression of every position that follows its symbols: an input's "dims" (an expression or
+/// None per size) and "symbolic" (its layout holds a symbol), and ("symint", (value, coef,
+/// offset, [symbol, ...])) arguments.
 py::dict readJob(const std::string &path) {
   kj::Array<capnp::word> words;
   if (std::string e = wire::readMessageFile(path, words); !e.empty())
@@ -72,13 +85,42 @@ py::dict readJob(const std::string &path) {
   auto runOps = job.getRunOps(); // read once: every get counts against the traversal limit
   if (runOps.size() != g.nodes.size())
     throw std::runtime_error(path + ": one run op per node expected");
+  // Per position, its expression (null where it is constant).
+  std::vector<const ir::SymExpr *> exprAt;
+  std::vector<ir::SymbolicInt> symbolic = g.symbolic;
+  uint32_t symbolCount = g.symbolCount;
+  if (symbolCount) {
+    std::vector<int64_t> symbols;
+    for (int64_t v : job.getSymbols())
+      symbols.push_back(v);
+    if (!ir::instantiate(g, symbols))
+      throw std::runtime_error(path + ": the job's symbols do not fit its graph");
+    exprAt.assign(ir::positions(g).size(), nullptr);
+    for (const ir::SymbolicInt &s : symbolic)
+      exprAt[s.position] = &s.expr;
+  }
+  size_t p = 0;
+  auto next = [&]() -> const ir::SymExpr * { return exprAt.empty() ? nullptr : exprAt[p++]; };
   std::vector<bool> zeroFill(g.nodes.size());
   for (uint32_t n : job.getZeroFill())
     if (n < zeroFill.size())
       zeroFill[n] = true;
   py::list inputs, scalars, values, nodes;
-  for (const auto &m : g.inputs)
-    inputs.append(metaDict(m));
+  for (const auto &m : g.inputs) {
+    py::dict d = metaDict(m);
+    py::list dims;
+    bool any = false;
+    for (size_t k = 0; k < m.sizes.size(); ++k) {
+      const ir::SymExpr *e = next();
+      any |= e != nullptr;
+      dims.append(e ? py::object(exprTuple(*e)) : py::none());
+    }
+    for (size_t k = 0; k < m.strides.size(); ++k)
+      any |= next() != nullptr;
+    d["dims"] = dims;
+    d["symbolic"] = any;
+    inputs.append(d);
+  }
   for (const auto &s : g.scalars)
     scalars.append(py::make_tuple(int(s.dtype), int(s.form)));
   for (auto s : job.getScalars())
@@ -96,12 +138,22 @@ py::dict readJob(const std::string &path) {
       case ir::Arg::Kind::Tensor: v = py::int_(n.operands[a.i]); break;
       case ir::Arg::Kind::Scalar: v = py::int_(n.scalars[a.i]); break;
       case ir::Arg::Kind::Double: v = py::float_(a.d); break;
+      case ir::Arg::Kind::Int:
+        if (const ir::SymExpr *e = next()) {
+          py::tuple t = exprTuple(*e);
+          args.append(py::make_tuple("symint", py::make_tuple(a.i, t[0], t[1], t[2])));
+          continue;
+        }
+        [[fallthrough]];
       default: v = py::int_(a.i);
       }
       args.append(py::make_tuple(kinds[int(a.kind)], v));
     }
-    for (const auto &m : n.outputs)
+    for (const auto &m : n.outputs) {
       outputs.append(metaDict(m));
+      for (size_t k = 0; k < m.sizes.size() + m.strides.size(); ++k)
+        next();
+    }
     py::dict d;
     d["op"] = n.op.str().str();
     d["run_op"] = std::string(runOps[k].cStr());
@@ -117,6 +169,7 @@ py::dict readJob(const std::string &path) {
   out["values"] = values;
   out["nodes"] = nodes;
   out["outputs"] = std::vector<uint32_t>(g.outputs.begin(), g.outputs.end());
+  out["symbol_count"] = symbolCount;
   out["device"] = std::string(job.getDevice().cStr());
   out["mode"] = std::string(job.getMode().cStr());
   out["package"] = std::string(job.getPackage().cStr());
@@ -125,7 +178,7 @@ py::dict readJob(const std::string &path) {
 }
 
 void writeOk(const std::string &path, const std::vector<std::pair<uint32_t, py::object>> &constants,
-             uint32_t fxNodes) {
+             uint32_t fxNodes, const std::vector<std::tuple<uint32_t, int64_t, int64_t>> &ranges) {
   capnp::MallocMessageBuilder b;
   auto ok = b.initRoot<wire::CompileResult>().initOk();
   auto list = ok.initConstants(constants.size());
@@ -134,6 +187,12 @@ void writeOk(const std::string &path, const std::vector<std::pair<uint32_t, py::
     wire::encodeScalar(scalarValue(constants[i].second), list[i].initValue());
   }
   ok.setFxNodes(fxNodes);
+  auto r = ok.initRanges(ranges.size());
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    r[i].setSymbol(std::get<0>(ranges[i]));
+    r[i].setMin(std::get<1>(ranges[i]));
+    r[i].setMax(std::get<2>(ranges[i]));
+  }
   if (std::string e = wire::writeMessageFile(path, b); !e.empty())
     throw std::runtime_error(e);
 }
@@ -151,7 +210,9 @@ PYBIND11_MODULE(rgpu_compile_job, m) {
   m.doc() = "The Inductor compile worker's CompileJob and CompileResult (Cap'n Proto).";
   m.def("read_job", &readJob, "The CompileJob in a file, as plain Python data.");
   m.def("write_ok", &writeOk, py::arg("path"), py::arg("constants"), py::arg("fx_nodes"),
-        "Writes a successful CompileResult: the (slot, value) pairs compiled as constants.");
+        py::arg("ranges") = std::vector<std::tuple<uint32_t, int64_t, int64_t>>(),
+        "Writes a successful CompileResult: the (slot, value) pairs compiled as constants and "
+        "the (symbol, min, max) sizes a symbolic graph's package holds for.");
   m.def("write_error", &writeError, py::arg("path"), py::arg("message"),
         "Writes a failed CompileResult with its reason.");
 }

@@ -56,8 +56,7 @@ std::string seconds(double s) {
 
 /// Reads a CompileResult file: "" (and, if asked for, the constants) for a successful compile,
 /// else why not (the worker's error, or why the file cannot be read).
-std::string readResult(const std::string &path,
-                       std::vector<std::pair<uint32_t, ir::ScalarValue>> *constants = nullptr) {
+std::string readResult(const std::string &path, Specialization *spec = nullptr) {
   kj::Array<capnp::word> words;
   if (std::string e = wire::readMessageFile(path, words); !e.empty())
     return e;
@@ -67,9 +66,12 @@ std::string readResult(const std::string &path,
     auto result = reader.getRoot<wire::CompileResult>();
     if (result.isError())
       return result.getError();
-    if (constants)
+    if (spec) {
       for (auto c : result.getOk().getConstants())
-        constants->emplace_back(c.getSlot(), wire::decodeScalar(c.getValue()));
+        spec->constants.emplace_back(c.getSlot(), wire::decodeScalar(c.getValue()));
+      for (auto r : result.getOk().getRanges())
+        spec->ranges.push_back({r.getSymbol(), r.getMin(), r.getMax()});
+    }
     return "";
   } catch (const kj::Exception &e) {
     return path + ": " + e.getDescription().cStr();
@@ -92,21 +94,50 @@ void sweepTemporaries(const std::string &dir) {
 } // namespace
 
 CompiledGraph::CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
-                             std::vector<std::pair<uint32_t, ir::ScalarValue>> constants)
-    : loader_(std::move(loader)), constants_(std::move(constants)) {}
+                             Specialization spec)
+    : loader_(std::move(loader)), spec_(std::move(spec)) {}
 
 CompiledGraph::~CompiledGraph() = default;
 
-bool CompiledGraph::accepts(llvm::ArrayRef<ir::ScalarValue> scalars) const {
-  for (const auto &[slot, value] : constants_)
+bool CompiledGraph::accepts(const Plan &plan, llvm::ArrayRef<ir::ScalarValue> scalars,
+                            llvm::ArrayRef<int64_t> symbols,
+                            const std::vector<Entry> &inputs) const {
+  for (const auto &[slot, value] : spec_.constants)
     if (slot >= scalars.size() || !(scalars[slot] == value))
+      return false;
+  if (!plan.symbolic())
+    return true;
+  // Every symbol must be given a range: one the worker left out is not known to hold.
+  if (spec_.ranges.size() != plan.graph().symbolCount || symbols.size() != spec_.ranges.size())
+    return false;
+  for (const auto &r : spec_.ranges)
+    if (r.symbol >= symbols.size() || symbols[r.symbol] < r.min ||
+        (r.max >= 0 && symbols[r.symbol] > r.max))
+      return false;
+  for (uint32_t i : plan.symbolicInputs())
+    if (i >= inputs.size() || !inputs[i].tensor.is_contiguous())
+      return false;
+  return true;
+}
+
+bool CompiledGraph::exportable(const Plan &plan, llvm::ArrayRef<int64_t> symbols,
+                               const std::vector<Entry> &inputs) {
+  for (size_t k = 0; k < symbols.size(); ++k) {
+    if (symbols[k] < 2)
+      return false;
+    for (size_t j = 0; j < k; ++j)
+      if (symbols[j] == symbols[k])
+        return false;
+  }
+  for (uint32_t i : plan.symbolicInputs())
+    if (i >= inputs.size() || !inputs[i].tensor.is_contiguous())
       return false;
   return true;
 }
 
 void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
-                        llvm::ArrayRef<ir::ScalarValue> scalars,
-                        std::vector<Entry> &outputs) const {
+                        llvm::ArrayRef<ir::ScalarValue> scalars, std::vector<Entry> &outputs,
+                        const Shapes *shapes) const {
   const ir::Graph &g = plan.graph();
   c10::InferenceMode inference;
   std::vector<at::Tensor> args;
@@ -121,7 +152,7 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
   if (results.size() != g.outputs.size())
     throw std::runtime_error("the compiled graph returned " + std::to_string(results.size()) +
                              " outputs, the graph has " + std::to_string(g.outputs.size()));
-  std::vector<const ir::TensorMeta *> metas = g.valueMetas();
+  std::vector<const ir::TensorMeta *> metas = shapes ? shapes->metas : g.valueMetas();
   outputs.clear();
   outputs.reserve(results.size());
   for (size_t k = 0; k < results.size(); ++k) {
@@ -175,6 +206,8 @@ std::string Compiler::stem(const ir::Hash128 &hash) const {
 
 std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<const Plan> &plan,
                                                       llvm::ArrayRef<ir::ScalarValue> scalars,
+                                                      llvm::ArrayRef<int64_t> symbols,
+                                                      const std::vector<Entry> &inputs,
                                                       bool &queued) {
   queued = false;
   std::lock_guard<std::mutex> lock(mu_);
@@ -183,7 +216,7 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
   GraphState &g = graphs_[plan->hash];
   g.lastUse = ++tick_;
   switch (g.state) {
-  case State::Ready: return g.compiled->accepts(scalars) ? g.compiled : nullptr;
+  case State::Ready: return g.compiled->accepts(*plan, scalars, symbols, inputs) ? g.compiled : nullptr;
   case State::Counting:
     // Random ops draw from the session's generator, which compiled code cannot reach; some ops
     // are safe only on the plan (policy::compilable).
@@ -191,6 +224,9 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
       g.state = State::Skipped;
       return nullptr;
     }
+    // A symbolic graph compiles from a run with sizes it can be exported at.
+    if (!CompiledGraph::exportable(*plan, symbols, inputs))
+      return nullptr;
     // A graph compiled before (by this server or an earlier one) is loaded on its first run.
     ++g.runs;
     if (stopping_ || (g.runs < (g.after ? g.after : options_.after) &&
@@ -201,7 +237,8 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
       return nullptr;
     }
     g.state = State::Queued;
-    queue_.push_back({plan, std::vector<ir::ScalarValue>(scalars.begin(), scalars.end())});
+    queue_.push_back({plan, std::vector<ir::ScalarValue>(scalars.begin(), scalars.end()),
+                      std::vector<int64_t>(symbols.begin(), symbols.end())});
     ++pending;
     queued = true;
     cv_.notify_one();
@@ -339,15 +376,15 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
   std::string base = stem(hash), package = base + ".pt2", failed = base + ".failed";
   size_t nodes = job.plan->graph().nodes.size();
   auto load = [&]() -> std::shared_ptr<const CompiledGraph> {
-    std::vector<std::pair<uint32_t, ir::ScalarValue>> constants;
-    if (std::string e = readResult(package + ".spec", &constants); !e.empty()) {
+    Specialization spec;
+    if (std::string e = readResult(package + ".spec", &spec); !e.empty()) {
       error = "its package has no readable .spec file (" + e + ")";
       return nullptr;
     }
     try {
       auto loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
           package, "model", false, 1, device_.is_cuda() ? device_.index() : -1);
-      return std::make_shared<CompiledGraph>(std::move(loader), std::move(constants));
+      return std::make_shared<CompiledGraph>(std::move(loader), std::move(spec));
     } catch (const std::exception &e) {
       const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
       error = std::string("loading its package failed: ") +
@@ -397,6 +434,9 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
     auto scalars = j.initScalars(job.scalars.size());
     for (size_t i = 0; i < job.scalars.size(); ++i)
       wire::encodeScalar(job.scalars[i], scalars[i]);
+    auto symbols = j.initSymbols(job.symbols.size());
+    for (size_t i = 0; i < job.symbols.size(); ++i)
+      symbols.set(i, job.symbols[i]);
     j.setDevice(device_.str());
     j.setMode(options_.mode);
     j.setPackage(package);

@@ -56,22 +56,42 @@ struct CompilerOptions {
   uint64_t memoryBytes = uint64_t(4) << 30, diskBytes = uint64_t(16) << 30;
 };
 
+/// What a package was specialized on: scalar slots compiled as constants, and the sizes of a
+/// symbolic graph's symbols it holds for (max -1: unbounded).
+struct Specialization {
+  std::vector<std::pair<uint32_t, ir::ScalarValue>> constants;
+  struct Range {
+    uint32_t symbol;
+    int64_t min, max;
+  };
+  std::vector<Range> ranges;
+};
+
 /// A graph compiled by AOTInductor, ready to run.
 class CompiledGraph {
 public:
   CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
-                std::vector<std::pair<uint32_t, ir::ScalarValue>> constants);
+                Specialization spec);
   ~CompiledGraph();
 
-  /// True if \p scalars agree with the values this package was specialized on.
-  bool accepts(llvm::ArrayRef<ir::ScalarValue> scalars) const;
-  /// Runs the package; outputs get the layouts \p plan's graph records. Throws on failure.
+  /// True if \p scalars agree with the values this package was specialized on and, for a
+  /// symbolic plan, the run is one the package was exported for (see acceptsSizes).
+  bool accepts(const Plan &plan, llvm::ArrayRef<ir::ScalarValue> scalars,
+               llvm::ArrayRef<int64_t> symbols, const std::vector<Entry> &inputs) const;
+  /// Whether a run of a symbolic graph can be the one it is compiled from: every symbol at
+  /// least 2 (export specializes sizes 0 and 1) and no two equal (export would merge them), and
+  /// contiguous inputs wherever a layout holds a symbol, as the package will require.
+  static bool exportable(const Plan &plan, llvm::ArrayRef<int64_t> symbols,
+                         const std::vector<Entry> &inputs);
+  /// Runs the package; outputs get the layouts \p plan's graph records (for a symbolic plan,
+  /// those of \p shapes). Throws on failure.
   void run(const Plan &plan, const std::vector<Entry> &inputs,
-           llvm::ArrayRef<ir::ScalarValue> scalars, std::vector<Entry> &outputs) const;
+           llvm::ArrayRef<ir::ScalarValue> scalars, std::vector<Entry> &outputs,
+           const Shapes *shapes = nullptr) const;
 
 private:
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
-  std::vector<std::pair<uint32_t, ir::ScalarValue>> constants_;
+  Specialization spec_;
 };
 
 class Compiler {
@@ -79,12 +99,14 @@ public:
   Compiler(CompilerOptions options, at::Device device);
   ~Compiler();
 
-  /// What the server should run \p plan with for this run's \p scalars: the compiled graph, or
-  /// null for the plan executor. Counts the run, and queues a compile when the graph gets hot.
-  /// Sets \p queued when this call queued it.
+  /// What the server should run \p plan with for this run's \p scalars (and size \p symbols,
+  /// of a symbolic plan, with these \p inputs): the compiled graph, or null for the plan
+  /// executor. Counts the run, and queues a compile when the graph gets hot. Sets \p queued
+  /// when this call queued it. A symbolic plan compiles once, for all its sizes.
   std::shared_ptr<const CompiledGraph> lookup(const std::shared_ptr<const Plan> &plan,
                                               llvm::ArrayRef<ir::ScalarValue> scalars,
-                                              bool &queued);
+                                              llvm::ArrayRef<int64_t> symbols,
+                                              const std::vector<Entry> &inputs, bool &queued);
   /// Follows a client's executor hint for a graph before its first run: "inductor" compiles it
   /// on its first run, "plan" never.
   void prefer(const ir::Hash128 &hash, const std::string &executor);
@@ -110,6 +132,7 @@ private:
   struct Job {
     std::shared_ptr<const Plan> plan;
     std::vector<ir::ScalarValue> scalars;
+    std::vector<int64_t> symbols;
   };
 
   void work();

@@ -57,6 +57,58 @@ bool constant(const c10::TypePtr &type, const Arg &a, const ir::Node &n, c10::IV
   return true;
 }
 
+/// The constant IValue of schema argument \p sa (of type \p type, any Optional unwrapped) from
+/// \p args at \p at, where a List arg is followed by its elements; an empty string, or why not.
+std::string constantOf(const c10::Argument &sa, const c10::TypePtr &type, llvm::StringRef base,
+                       const ir::Node &n, llvm::ArrayRef<Arg> args, size_t at,
+                       c10::IValue &out) {
+  std::string where = "argument '" + sa.name() + "'";
+  const Arg &arg = args[at];
+  if (bridge::argType(type) != bridge::ArgType::List) {
+    if (!constant(type, arg, n, out))
+      return where + " expects " + type->str() + ", got " + kindName(arg.kind);
+    return policy::checkConstant(base, sa, bridge::argType(sa.real_type()), arg,
+                                 arg.kind == Arg::Kind::Str ? n.strings[arg.i] : "");
+  }
+  c10::TypePtr elem = type->containedType(0);
+  std::vector<c10::IValue> items;
+  for (int64_t k = 0; k < arg.i; ++k) {
+    c10::IValue v;
+    if (!constant(elem, args[at + 1 + k], n, v))
+      return where + " element " + std::to_string(k) + " does not match " + elem->str();
+    if (v.isInt())
+      if (std::string e = policy::checkListElement(base, sa, v.toInt()); !e.empty())
+        return e;
+    items.push_back(std::move(v));
+  }
+  switch (elem->kind()) {
+  case c10::TypeKind::IntType:
+  case c10::TypeKind::SymIntType: {
+    std::vector<int64_t> v;
+    for (auto &i : items)
+      v.push_back(i.toInt());
+    out = v;
+    return "";
+  }
+  case c10::TypeKind::FloatType: {
+    std::vector<double> v;
+    for (auto &i : items)
+      v.push_back(i.toDouble());
+    out = v;
+    return "";
+  }
+  case c10::TypeKind::BoolType: {
+    c10::List<bool> v;
+    for (auto &i : items)
+      v.push_back(i.toBool());
+    out = v;
+    return "";
+  }
+  default:
+    return where + ": unsupported list type " + type->str();
+  }
+}
+
 /// Runs a random op that has no generator argument with the session's generator standing in for
 /// the process default one, so sessions never see each other's random streams.
 void callWithSessionGenerator(const c10::OperatorHandle &op, torch::jit::Stack &stack,
@@ -148,6 +200,8 @@ std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error, uint64_t 
     }
     next += plan->graph_.nodes[n].outputs.size();
   }
+  plan->maxValueBytes_ = maxValueBytes;
+  plan->locateSymbolic();
   // Free every intermediate after its last use; graph outputs and inputs are never freed here.
   std::vector<int64_t> lastUse(next, -1);
   for (size_t s = 0; s < plan->steps_.size(); ++s)
@@ -196,12 +250,28 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   step.zeroFill = bare.startswith("empty") || bare.startswith("new_empty");
   step.op = runnable(name, *handle);
 
+  step.schema = *handle;
+  auto addConst = [&](const c10::Argument &sa, const c10::TypePtr &type, uint32_t at,
+                      uint32_t si) -> std::string {
+    c10::IValue v;
+    if (std::string e = constantOf(sa, type, base, n, n.args, at, v); !e.empty())
+      return e;
+    if (step.restrideOperands && sa.name() == "size")
+      step.viewSize = step.consts.size();
+    if (step.restrideOperands && sa.name() == "stride")
+      step.viewStride = step.consts.size();
+    if (step.restrideOperands && sa.name() == "storage_offset")
+      step.viewOffset = step.consts.size();
+    step.slots.push_back({Slot::Const, uint32_t(step.consts.size())});
+    step.consts.push_back(std::move(v));
+    step.constSources.push_back({at, si});
+    return "";
+  };
   size_t a = 0;
   auto take = [&]() -> const Arg * { return a < n.args.size() ? &n.args[a++] : nullptr; };
-  // The constant sizes, strides and offset of a strided view, checked against its base below.
-  std::vector<int64_t> viewSizes, viewStrides;
-  int64_t viewOffset = 0;
-  for (const c10::Argument &sa : schema.arguments()) {
+  for (uint32_t si = 0; si < schema.arguments().size(); ++si) {
+    const c10::Argument &sa = schema.arguments()[si];
+    const uint32_t at = a;
     const Arg *arg = take();
     if (!arg)
       return "too few arguments for " + schema.name();
@@ -215,6 +285,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
         }
         step.slots.push_back({Slot::Const, uint32_t(step.consts.size())});
         step.consts.emplace_back();
+        step.constSources.push_back({at, si});
         continue;
       }
       type = opt->getElementType();
@@ -275,79 +346,24 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
         step.slots.push_back({kind, start, count});
         continue;
       }
-      std::vector<c10::IValue> items;
-      for (uint32_t k = 0; k < count; ++k) {
-        c10::IValue v;
-        if (!constant(elem, *take(), n, v))
-          return where + " element " + std::to_string(k) + " does not match " + elem->str();
-        if (v.isInt())
-          if (std::string e = policy::checkListElement(base, sa, v.toInt()); !e.empty())
-            return e;
-        items.push_back(std::move(v));
-      }
-      if (step.restrideOperands && (sa.name() == "size" || sa.name() == "stride")) {
-        auto &into = sa.name() == "size" ? viewSizes : viewStrides;
-        for (auto &i : items)
-          into.push_back(i.toInt());
-      }
-      c10::IValue list;
-      switch (elem->kind()) {
-      case c10::TypeKind::IntType:
-      case c10::TypeKind::SymIntType: {
-        std::vector<int64_t> v;
-        for (auto &i : items)
-          v.push_back(i.toInt());
-        list = v;
-        break;
-      }
-      case c10::TypeKind::FloatType: {
-        std::vector<double> v;
-        for (auto &i : items)
-          v.push_back(i.toDouble());
-        list = v;
-        break;
-      }
-      case c10::TypeKind::BoolType: {
-        c10::List<bool> v;
-        for (auto &i : items)
-          v.push_back(i.toBool());
-        list = v;
-        break;
-      }
-      default:
-        return where + ": unsupported list type " + type->str();
-      }
-      step.slots.push_back({Slot::Const, uint32_t(step.consts.size())});
-      step.consts.push_back(std::move(list));
-      continue;
-    }
-    default: {
-      c10::IValue v;
-      if (!constant(type, *arg, n, v))
-        return mismatch();
-      if (std::string e = policy::checkConstant(base, sa, bridge::argType(sa.real_type()), *arg,
-                                                arg->kind == Arg::Kind::Str ? n.strings[arg->i]
-                                                                            : "");
-          !e.empty())
+      a += count;
+      if (std::string e = addConst(sa, type, at, si); !e.empty())
         return e;
-      if (step.restrideOperands && sa.name() == "storage_offset")
-        viewOffset = arg->i;
-      step.slots.push_back({Slot::Const, uint32_t(step.consts.size())});
-      step.consts.push_back(std::move(v));
       continue;
     }
+    default:
+      if (std::string e = addConst(sa, type, at, si); !e.empty())
+        return e;
+      continue;
     }
   }
   if (a != n.args.size())
     return "too many arguments for " + schema.name();
   if (step.restrideOperands) {
-    // The view must stay inside its base (the first operand, given exactly its graph layout).
     if (n.operands.empty())
       return "a strided view without a base";
-    if (std::string e = policy::checkStridedView(*metas_[n.operands[0]], viewSizes, viewStrides,
-                                                 viewOffset);
-        !e.empty())
-      return "refused: " + e;
+    if (std::string e = checkView(step, step.consts, *metas_[n.operands[0]]); !e.empty())
+      return e;
   }
   if (base == "aten::native_layer_norm_backward" || base == "aten::native_batch_norm_backward") {
     for (size_t i = 0; i < schema.arguments().size(); ++i) {
@@ -360,6 +376,141 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   }
   steps_.push_back(std::move(step));
   return "";
+}
+
+void Plan::locateSymbolic() {
+  const auto &symbolic = graph_.symbolic;
+  size_t k = 0;
+  uint64_t p = 0;
+  uint32_t value = 0;
+  auto meta = [&](const ir::TensorMeta &m) {
+    MetaPatch patch{value++, {}};
+    for (uint32_t i = 0; i < m.sizes.size() + m.strides.size(); ++i, ++p)
+      if (k < symbolic.size() && symbolic[k].position == p)
+        patch.at.push_back({i, uint32_t(k++)});
+    if (patch.at.empty())
+      return;
+    if (patch.value < graph_.inputs.size())
+      symbolicInputs_.push_back(patch.value);
+    metaPatches_.push_back(std::move(patch));
+  };
+  for (const ir::TensorMeta &m : graph_.inputs)
+    meta(m);
+  for (uint32_t n = 0; n < graph_.nodes.size(); ++n) {
+    const ir::Node &node = graph_.nodes[n];
+    ArgPatch patch{n, {}};
+    for (uint32_t a = 0; a < node.args.size(); ++a) {
+      if (node.args[a].kind != Arg::Kind::Int)
+        continue;
+      if (k < symbolic.size() && symbolic[k].position == p)
+        patch.at.push_back({a, uint32_t(k++)});
+      ++p;
+    }
+    if (!patch.at.empty())
+      argPatches_.push_back(std::move(patch));
+    for (const ir::TensorMeta &m : node.outputs)
+      meta(m);
+  }
+}
+
+std::string Plan::checkView(const Step &step, const std::vector<c10::IValue> &consts,
+                            const ir::TensorMeta &base) const {
+  // The view must stay inside its base (the first operand, given exactly its graph layout).
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  if (step.viewSize >= 0 && consts[step.viewSize].isIntList())
+    sizes = consts[step.viewSize].toIntVector();
+  if (step.viewStride >= 0 && consts[step.viewStride].isIntList())
+    strides = consts[step.viewStride].toIntVector();
+  if (step.viewOffset >= 0 && consts[step.viewOffset].isInt())
+    offset = consts[step.viewOffset].toInt();
+  if (std::string e = policy::checkStridedView(base, sizes, strides, offset); !e.empty())
+    return "refused: " + e;
+  return "";
+}
+
+ErrorPtr Plan::resolve(llvm::ArrayRef<int64_t> symbols, Shapes &out) const {
+  auto fail = [&](std::string message) {
+    return std::make_shared<RemoteError>(RemoteError{"", "run of graph " + hash.hex().substr(0, 12) +
+                                                             ": " + std::move(message), ""});
+  };
+  // A node's error names its op and the user's line, as a failure while running it would.
+  auto failAt = [&](uint32_t node, std::string message) {
+    const ir::Node &n = graph_.nodes[node];
+    return std::make_shared<RemoteError>(RemoteError{
+        n.op.str().str(), std::move(message), graph_.locations[n.loc], hash, node});
+  };
+  if (symbols.size() != graph_.symbolCount)
+    return fail("a run with " + std::to_string(symbols.size()) +
+                " size symbols, of a graph with " + std::to_string(graph_.symbolCount));
+  std::string sizes;
+  for (size_t k = 0; k < symbols.size(); ++k)
+    sizes += (k ? ", s" : "s") + std::to_string(k) + " = " + std::to_string(symbols[k]);
+  std::vector<int64_t> values(graph_.symbolic.size());
+  for (size_t k = 0; k < values.size(); ++k)
+    if (!graph_.symbolic[k].expr.eval(symbols, values[k]))
+      return fail("the size " + graph_.symbolic[k].expr.str() + " overflows for " + sizes);
+  out.metas = metas_;
+  out.owned.clear();
+  out.consts.assign(steps_.size(), {});
+  for (const MetaPatch &patch : metaPatches_) {
+    ir::TensorMeta &m = out.owned.emplace_back(*metas_[patch.value]);
+    for (auto [i, k] : patch.at)
+      (i < m.sizes.size() ? m.sizes[i] : m.strides[i - m.sizes.size()]) = values[k];
+    out.metas[patch.value] = &m;
+    std::string why;
+    for (int64_t size : m.sizes)
+      if (size < 0)
+        why = "a negative size";
+    if (why.empty() && m.storageBytes() < 0)
+      why = "a layout whose size overflows";
+    else if (why.empty() && uint64_t(m.storageBytes()) > maxValueBytes_)
+      why = std::to_string(m.storageBytes() >> 20) + " MiB, more than this server's limit of " +
+            std::to_string(maxValueBytes_ >> 20) + " MiB per tensor";
+    if (!why.empty()) {
+      std::string what = m.str() + " (for " + sizes + ") would have " + why;
+      if (patch.value < graph_.inputs.size())
+        return fail("input " + std::to_string(patch.value) + " " + what);
+      return failAt(producer_[patch.value], "its output " + what);
+    }
+  }
+  for (const ArgPatch &patch : argPatches_) {
+    const Step &step = steps_[patch.step];
+    const ir::Node &n = graph_.nodes[step.node];
+    llvm::SmallVector<Arg, 8> args(n.args.begin(), n.args.end());
+    std::vector<bool> patched(args.size(), false);
+    for (auto [a, k] : patch.at) {
+      args[a].i = values[k];
+      patched[a] = true;
+    }
+    std::vector<c10::IValue> &consts = out.consts[patch.step];
+    consts = step.consts;
+    const c10::FunctionSchema &schema = step.schema->schema();
+    for (size_t c = 0; c < step.constSources.size(); ++c) {
+      auto [at, si] = step.constSources[c];
+      size_t end = args[at].kind == Arg::Kind::List ? at + 1 + args[at].i : at + 1;
+      if (std::none_of(patched.begin() + at, patched.begin() + end, [](bool b) { return b; }))
+        continue;
+      const c10::Argument &sa = schema.arguments()[si];
+      c10::TypePtr type = sa.type();
+      if (auto opt = type->cast<c10::OptionalType>())
+        type = opt->getElementType();
+      if (std::string e = constantOf(sa, type, ir::splitOpName(n.op.str()).first, n, args, at,
+                                     consts[c]);
+          !e.empty())
+        return failAt(step.node, e + " (for " + sizes + ")");
+    }
+  }
+  for (uint32_t s = 0; s < steps_.size(); ++s) {
+    const Step &step = steps_[s];
+    if (!step.restrideOperands)
+      continue;
+    const ir::Node &n = graph_.nodes[step.node];
+    const auto &consts = out.consts[s].empty() ? step.consts : out.consts[s];
+    if (std::string e = checkView(step, consts, *out.metas[n.operands[0]]); !e.empty())
+      return failAt(step.node, e + " (for " + sizes + ")");
+  }
+  return nullptr;
 }
 
 std::string Plan::runOp(uint32_t n) const {
@@ -389,14 +540,19 @@ c10::IValue Plan::scalarValue(uint32_t slot, llvm::ArrayRef<ir::ScalarValue> sca
 }
 
 ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarValue> scalars,
-                   const RunContext &ctx, std::vector<Entry> &outputs, bool exactLayout) const {
+                   const RunContext &ctx, std::vector<Entry> &outputs, bool exactLayout,
+                   const Shapes *shapes) const {
   c10::InferenceMode inference;
-  std::vector<Entry> values(metas_.size());
+  const std::vector<const ir::TensorMeta *> &metas = shapes ? shapes->metas : metas_;
+  std::vector<Entry> values(metas.size());
   for (size_t i = 0; i < inputs.size(); ++i)
     values[i] = inputs[i];
   ErrorPtr first;
   torch::jit::Stack stack;
-  for (const Step &step : steps_) {
+  for (size_t s = 0; s < steps_.size(); ++s) {
+    const Step &step = steps_[s];
+    const std::vector<c10::IValue> &consts =
+        shapes && !shapes->consts[s].empty() ? shapes->consts[s] : step.consts;
     const ir::Node &node = graph_.nodes[step.node];
     ErrorPtr upstream;
     for (uint32_t v : node.operands)
@@ -408,12 +564,12 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
       try {
         auto operand = [&](uint32_t v) -> at::Tensor {
           const at::Tensor &t = values[v].tensor;
-          return step.restrideOperands ? restride(t, *metas_[v]) : t;
+          return step.restrideOperands ? restride(t, *metas[v]) : t;
         };
         stack.clear();
         for (const Slot &slot : step.slots) {
           switch (slot.kind) {
-          case Slot::Const: stack.push_back(step.consts[slot.a]); break;
+          case Slot::Const: stack.push_back(consts[slot.a]); break;
           case Slot::Tensor: stack.push_back(operand(slot.a)); break;
           case Slot::TensorList: {
             c10::List<at::Tensor> list;
@@ -478,7 +634,7 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
           if (step.zeroFill && !ctx.device.is_cpu()) // CPU memory is zeroed as it is allocated
             t.zero_();
           if (exactLayout) // else the graph's metas are placeholders the run will answer
-            conformToMeta(t, *metas_[k]);
+            conformToMeta(t, *metas[k]);
         }
         if (out != step.firstOutput + step.numOutputs)
           throw std::runtime_error("produced " + std::to_string(out - step.firstOutput) +
@@ -503,7 +659,7 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
   outputs.reserve(graph_.outputs.size());
   for (uint32_t v : graph_.outputs) {
     Entry e = values[v];
-    const ir::TensorMeta &m = *metas_[v];
+    const ir::TensorMeta &m = *metas[v];
     if (!e.error && exactLayout && (e.tensor.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
                                     e.tensor.scalar_type() != bridge::scalarType(m.dtype))) {
       // Only a value someone holds matters: an unused output of a kernel that disagrees with

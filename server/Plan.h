@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/Generator.h>
 
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +46,14 @@ struct RunContext {
   at::Generator generator;
 };
 
+/// The sizes of one run of a symbolic plan (Plan::resolve): every value's layout, and the
+/// constants of the steps whose integer arguments follow the symbols.
+struct Shapes {
+  std::vector<const ir::TensorMeta *> metas; ///< Per value.
+  std::deque<ir::TensorMeta> owned;          ///< The layouts that differ from the plan's.
+  std::vector<std::vector<c10::IValue>> consts; ///< Per step; empty: the step's own.
+};
+
 class Plan {
 public:
   /// Verifies \p graph against the op schemas and builds its plan. On failure returns null and
@@ -58,8 +67,18 @@ public:
   /// the first such error is returned (null if the run succeeded).
   /// Outputs get exactly the layout the graph records unless \p exactLayout is false (the
   /// data-dependent path, where the graph cannot know it).
+  /// A symbolic plan (of a graph over size symbols) runs with the sizes that \p shapes holds.
   ErrorPtr run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarValue> scalars,
-               const RunContext &ctx, std::vector<Entry> &outputs, bool exactLayout = true) const;
+               const RunContext &ctx, std::vector<Entry> &outputs, bool exactLayout = true,
+               const Shapes *shapes = nullptr) const;
+
+  bool symbolic() const { return graph_.symbolCount > 0; }
+  /// The inputs whose layout holds a symbol.
+  llvm::ArrayRef<uint32_t> symbolicInputs() const { return symbolicInputs_; }
+  /// The sizes of a run of this symbolic plan with size symbols \p symbols, checked as a static
+  /// graph's are at build (value sizes, argument values, views inside their bases). The error,
+  /// naming the node's op and line where there is one, if they are not acceptable.
+  ErrorPtr resolve(llvm::ArrayRef<int64_t> symbols, Shapes &out) const;
 
   const ir::Graph &graph() const { return graph_; }
   /// The op node \p n runs ("aten::transpose.int" for a functionalized `transpose_copy.int`).
@@ -86,6 +105,12 @@ private:
   };
   struct Step {
     std::optional<c10::OperatorHandle> op;
+    std::optional<c10::OperatorHandle> schema; ///< The node's own op, whose schema it matches.
+    /// Per const: the node argument it comes from (a list's is the List arg) and the schema
+    /// argument it is.
+    std::vector<std::pair<uint32_t, uint32_t>> constSources;
+    /// A strided view's size, stride and storage_offset consts; -1 if absent.
+    int32_t viewSize = -1, viewStride = -1, viewOffset = -1;
     uint32_t node;
     std::vector<Slot> slots;
     std::vector<c10::IValue> consts;
@@ -106,6 +131,24 @@ private:
 
   Plan() = default;
   std::string addStep(uint32_t nodeIndex, uint32_t firstOutput);
+  /// Refuses a strided view whose constants \p consts reach outside its base \p base.
+  std::string checkView(const Step &step, const std::vector<c10::IValue> &consts,
+                        const ir::TensorMeta &base) const;
+  /// Where a symbolic graph's integers are: in a value's layout (index into sizes then strides)
+  /// or a node's arguments; k indexes graph().symbolic.
+  struct MetaPatch {
+    uint32_t value;
+    std::vector<std::pair<uint32_t, uint32_t>> at; // (index, k)
+  };
+  struct ArgPatch {
+    uint32_t step;
+    std::vector<std::pair<uint32_t, uint32_t>> at; // (argument index, k)
+  };
+  void locateSymbolic();
+  std::vector<MetaPatch> metaPatches_;
+  std::vector<ArgPatch> argPatches_;
+  std::vector<uint32_t> symbolicInputs_;
+  uint64_t maxValueBytes_ = 0;
   c10::IValue scalarValue(uint32_t slot, llvm::ArrayRef<ir::ScalarValue> scalars) const;
 
   ir::Graph graph_;

@@ -673,6 +673,23 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     poisonAll(e, g.outputs.size());
     return;
   }
+  // A symbolic graph's layouts and size-derived arguments for this run's sizes.
+  Shapes shapes;
+  const Shapes *sized = nullptr;
+  llvm::SmallVector<int64_t, 4> symbols;
+  if (plan->symbolic() || r.getSymbols().size() != 0) {
+    for (int64_t v : r.getSymbols())
+      symbols.push_back(v);
+    ErrorPtr e = plan->symbolic() ? plan->resolve(symbols, shapes)
+                                  : sessionError("run of graph " + hash.hex().substr(0, 12) +
+                                                 ": size symbols for a static graph");
+    if (e) {
+      fail(e);
+      poisonAll(e, g.outputs.size());
+      return;
+    }
+    sized = &shapes;
+  }
   std::vector<Entry> inputs;
   inputs.reserve(g.inputs.size());
   for (size_t i = 0; i < g.inputs.size(); ++i) {
@@ -685,7 +702,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
       return;
     }
     Entry in = it->second;
-    const ir::TensorMeta &m = g.inputs[i];
+    const ir::TensorMeta &m = sized ? *sized->metas[i] : g.inputs[i];
     if (!in.error && (in.tensor.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
                       in.tensor.scalar_type() != bridge::scalarType(m.dtype))) {
       auto e = sessionError("tensor handle " + std::to_string(h) + " does not match input " +
@@ -713,7 +730,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   bool queued = false;
   if (ctx_.compiler() && plan->shared && !r.getReplyMetas() &&
       std::none_of(inputs.begin(), inputs.end(), [](const Entry &e) { return bool(e.error); }))
-    compiled = ctx_.compiler()->lookup(plan, scalars, queued);
+    compiled = ctx_.compiler()->lookup(plan, scalars, symbols, inputs, queued);
   auto name = [&] { return "graph " + hash.hex().substr(0, 12); };
   if (queued)
     notes_.push_back(name() + " (" + std::to_string(g.nodes.size()) +
@@ -723,7 +740,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   bool ran = false;
   if (compiled) {
     try {
-      compiled->run(*plan, inputs, scalars, outputs);
+      compiled->run(*plan, inputs, scalars, outputs, sized);
       ran = true;
       ++ctx_.compiledRuns;
       ++compiledRuns_;
@@ -738,7 +755,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   }
   if (!ran)
     if (ErrorPtr e = plan->run(inputs, scalars, {ctx_.device(), generator_}, outputs,
-                               !r.getReplyMetas()))
+                               !r.getReplyMetas(), sized))
       fail(e);
   uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                     std::chrono::steady_clock::now() - start).count();

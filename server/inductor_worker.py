@@ -7,8 +7,9 @@ graph keeps running on the plan executor, under resource limits and a deadline. 
 Cap'n Proto CompileJob: a graph that passed every check of the server's plan builder, the op
 each node runs, the scalar values of the run that asked for the compile, and where to put the
 package and the CompileResult. The worker rebuilds the graph as a Python function of aten ops,
-exports it (static shapes; scalars become 0-dim tensor inputs read with `.item()`, so a changing
-learning rate never recompiles) and compiles it with AOTInductor into a package that the server
+exports it (scalars become 0-dim tensor inputs read with `.item()`, so a changing learning rate
+never recompiles; a symbolic graph's size symbols become dynamic dimensions, so one package
+serves every size) and compiles it with AOTInductor into a package that the server
 loads and runs from C++, without Python. The package is written under a temporary name and
 renamed, so the cache never holds half an artifact.
 
@@ -74,6 +75,7 @@ class Interpreter:
         self.values = values            # the scalar values of the run that asked for a compile
         self.specialized = specialized  # slots compiled as constants, checked at run time
         self.symbols = {}               # unbacked symbol name -> scalar slot
+        self.sizes = []                 # this call's size symbols (SymInts while exporting)
         self.steps = []
         for node in graph["nodes"]:
             op = resolve(node["run_op"])
@@ -94,6 +96,12 @@ class Interpreter:
             if type_kind == "MemoryFormat":
                 return MEMORY_FORMATS[value]
             return value
+        if kind == "symint":
+            _, coef, offset, factors = value
+            out = coef
+            for f in factors:
+                out = out * self.sizes[f]
+            return out + offset
         if kind == "double" or kind == "str":
             return value
         if kind == "device":
@@ -154,6 +162,9 @@ class Interpreter:
     def __call__(self, *args):
         g = self.graph
         env = list(args[:len(g["inputs"])])
+        self.sizes = [None] * g["symbol_count"]
+        for (i, d), k in size_sources(g).items():
+            self.sizes[k] = env[i].shape[d]
         scalars = []
         for slot, ((dtype, form), t) in enumerate(zip(g["scalars"], args[len(g["inputs"]):])):
             # A Python number in a Scalar or wrapped-number position keeps its promotion rules
@@ -182,6 +193,98 @@ class _Module(torch.nn.Module):
 
     def forward(self, *args):
         return self.interpreter(*args)
+
+
+def size_sources(graph):
+    """{(input, dim): symbol} for the first input size that is each symbol itself."""
+    out, seen = {}, set()
+    for i, m in enumerate(graph["inputs"]):
+        for d, e in enumerate(m["dims"]):
+            if e is not None and e[0] == 1 and e[1] == 0 and len(e[2]) == 1 and e[2][0] not in seen:
+                seen.add(e[2][0])
+                out[(i, d)] = e[2][0]
+    return out
+
+
+def dynamic_shapes(graph):
+    """torch.export's dynamic_shapes for a symbolic graph (None for a static one): each symbol a
+    named dimension, shared by every input size that is that symbol. The example sizes are
+    those of the run that asked for the compile (every symbol at least 2 and no two equal: the
+    server sees to it). Every symbol an argument uses must be some input's size, and an
+    input whose layout follows the symbols must be contiguous (the server runs the package only
+    on such inputs)."""
+    if not graph["symbol_count"]:
+        return None
+    from torch.export import Dim
+
+    dims = [Dim(f"s{k}", min=2) for k in range(graph["symbol_count"])]
+    known = set(size_sources(graph).values())
+    for node in graph["nodes"]:
+        for kind, value in node["args"]:
+            if kind == "symint" and not set(value[3]) <= known:
+                raise Unsupported(f"{node['op']} has an argument of a size no input has")
+    spec = []
+    for m in graph["inputs"]:
+        if m["symbolic"] and m["strides"] != contiguous_strides(m["sizes"]):
+            raise Unsupported("an input whose layout follows the sizes is not contiguous")
+        for e in m["dims"]:
+            if e is not None and not (e[0] == 1 and e[1] == 0 and len(e[2]) == 1):
+                raise Unsupported(f"an input size is the expression {e}")
+        spec.append({d: dims[e[2][0]] for d, e in enumerate(m["dims"]) if e is not None} or None)
+    return (tuple(spec) + (None,) * len(graph["scalars"]),)
+
+
+def bounded(bound, infinite):
+    """An integer bound of a value range, or `infinite` for an unbounded one."""
+    import sympy
+    from torch.utils._sympy.numbers import int_oo
+
+    if bound in (int_oo, -int_oo, sympy.oo, -sympy.oo):
+        return infinite
+    return int(bound)
+
+
+def symbol_ranges(graph, exported):
+    """[(symbol, min, max)]: the sizes the exported program holds for, max -1 for unbounded. A
+    symbol export made a constant has min == max; one it tied to another symbol, or two of ours
+    it merged, cannot be checked by the server: Unsupported."""
+    import sympy
+
+    if not graph["symbol_count"]:
+        return []
+    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
+    # User inputs come after any lifted parameters; this module has none.
+    shapes = [n.meta["val"].shape for n in placeholders[:len(graph["inputs"])]]
+    exprs = {}
+    for i, m in enumerate(graph["inputs"]):
+        for d, e in enumerate(m["dims"]):
+            if e is None:
+                continue
+            got = shapes[i][d]
+            got = got.node.expr if isinstance(got, torch.SymInt) else sympy.Integer(got)
+            if exprs.setdefault(e[2][0], got) != got:
+                raise Unsupported(f"export gave symbol s{e[2][0]} two forms")
+    seen, out = set(), []
+    for k, expr in sorted(exprs.items()):
+        if expr.is_Integer:
+            out.append((k, int(expr), int(expr)))
+        elif expr.is_Symbol and expr not in seen:
+            seen.add(expr)
+            vr = exported.range_constraints.get(expr)
+            lo = bounded(vr.lower, 0) if vr is not None else 0
+            hi = bounded(vr.upper, -1) if vr is not None else -1
+            out.append((k, lo, hi))
+        else:
+            raise Unsupported(f"export made symbol s{k} the expression {expr}")
+    return out
+
+
+def contiguous_strides(sizes):
+    out, step = [], 1
+    for s in reversed(sizes):
+        out.append(step)
+        step *= max(s, 1)
+    return out[::-1]
 
 
 def example_inputs(graph, device):
@@ -220,12 +323,18 @@ def export(graph, device, values):
 
     torch._dynamo.config.capture_scalar_outputs = True
     inputs = example_inputs(graph, device)
+    shapes = dynamic_shapes(graph)
     specialized = branchy_slots(graph)
     for _ in range(MAX_EXPORTS):
         interpreter = Interpreter(graph, device, values, specialized)
         try:
             with torch.no_grad():
-                return torch.export.export(_Module(interpreter), inputs, strict=False), specialized
+                # Guards on the sizes (a slice that must not be empty, say) become checks in
+                # the package, which fail a run outside them; the server reruns it on the plan.
+                return torch.export.export(_Module(interpreter), inputs, strict=False,
+                                           dynamic_shapes=shapes,
+                                           prefer_deferred_runtime_asserts_over_guards=True), \
+                    specialized
         except GuardOnDataDependentSymNode as e:
             slots = {interpreter.symbols.get(str(s)) for s in e.cond.free_symbols} - {None}
             if not slots or slots <= specialized:
@@ -239,6 +348,7 @@ def compile_graph(job):
     number of FX nodes and the (slot, value) pairs compiled as constants."""
     values = job["values"]
     exported, specialized = export(job, job["device"], values)
+    ranges = symbol_ranges(job, exported)
     options = {}
     if job["mode"] == "max-autotune":
         options["max_autotune"] = True
@@ -251,7 +361,8 @@ def compile_graph(job):
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return len(exported.graph.nodes), [(slot, values[slot]) for slot in sorted(specialized)]
+    return (len(exported.graph.nodes), [(slot, values[slot]) for slot in sorted(specialized)],
+            ranges)
 
 
 def main(argv=None):
@@ -262,14 +373,14 @@ def main(argv=None):
     job = rgpu_compile_job.read_job(args.job)
     start = time.time()
     try:
-        fx_nodes, constants = compile_graph(job)
+        fx_nodes, constants, ranges = compile_graph(job)
     except Exception as e:  # the server keeps the graph on the plan executor
         import traceback
         traceback.print_exc()
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         rgpu_compile_job.write_error(job["result"], f"{type(e).__name__}: {first}")
         return 1
-    rgpu_compile_job.write_ok(job["result"], constants, fx_nodes)
+    rgpu_compile_job.write_ok(job["result"], constants, fx_nodes, ranges)
     sys.stderr.write(f"compiled {fx_nodes} FX nodes in {time.time() - start:.1f} s; "
                      f"{len(constants)} of {len(job['scalars'])} scalars compiled as constants\n")
     return 0

@@ -36,8 +36,13 @@ void Diagnostics::newGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Gr
     }
   }
 
-  // A site that keeps cutting new graphs which differ only in shapes recompiles every step.
+  // A site that keeps cutting new graphs which differ only in shapes recompiles every step,
+  // unless they run as one symbolic graph: that one is not such a graph, nor compared with one.
   SiteInfo &site = sites_[siteId];
+  if (graph->symbolCount) {
+    ++site.symbolicGraphs;
+    return;
+  }
   ++site.newGraphs;
   if (site.last) {
     bool shapesOnly = false;
@@ -54,7 +59,10 @@ void Diagnostics::newGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Gr
     log_(30, "rgpu: " + where + " has cut " + std::to_string(site.newGraphs) +
                  " different graphs that differ only in tensor shapes (latest: " + why +
                  "). Each new shape is a new graph to ship and compile; keep shapes fixed "
-                 "(pad or bucket them) to reuse one. `rgpu-trace-dump diff` shows the details.");
+                 "(pad or bucket them) to reuse one" +
+                 (site.symbolicGraphs ? ": they did not fit the symbolic graphs made for them"
+                                      : "") +
+                 ". `rgpu-trace-dump diff` shows the details.");
   }
 }
 

@@ -5,6 +5,7 @@
 #include "rgpu/wire/Cache.h"
 
 #include <ATen/ATen.h>
+#include <llvm/ADT/StringExtras.h>
 
 #include <algorithm>
 #include <chrono>
@@ -54,6 +55,7 @@ struct Session::Command {
   uint64_t offset = 0, length = 0;
   std::string executor; ///< A Define's executor hint.
   std::vector<ir::Hash128> hashes; ///< A Forget's graphs.
+  llvm::SmallVector<int64_t, 4> symbols; ///< A Run's symbol values (of a symbolic graph).
 };
 
 Session &Session::get() {
@@ -63,7 +65,10 @@ Session &Session::get() {
 
 Session::Session()
     : transport_([this](int level, const std::string &message) { log(level, message); }),
-      diagnostics_([this](int level, const std::string &message) { log(level, message); }) {}
+      diagnostics_([this](int level, const std::string &message) { log(level, message); }) {
+  if (const char *d = std::getenv("RGPU_DYNAMIC"))
+    dynamic_ = std::string(d) != "0";
+}
 
 std::string Session::server() const { return transport_.address(); }
 
@@ -249,6 +254,24 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
   ir::Canonical c = ir::canonicalize(t.graph);
   Command run;
   run.kind = wire::Command::RUN;
+  // A member of a family of graphs that differ only in sizes runs as the family's symbolic
+  // graph (rgpu/ir/Symbolic.h).
+  std::shared_ptr<const ir::Graph> symbolic;
+  ir::ShapeFamilies::Fit fit;
+  if (dynamic_ && !replyMetas && families_.fit(c.graph, c.hash, fit)) {
+    if (fit.isNew) {
+      ++stats.graphsGeneralized;
+      log(20, "rgpu: " + locationText(site_) + " cut a graph that differs from an earlier one "
+                  "only in sizes; it now runs as one graph over " +
+                  std::to_string(fit.graph->symbolCount) + " size symbol(s) (" +
+                  llvm::join(ir::symbolSources(*fit.graph), ", ") + "), whatever those sizes are. RGPU_DYNAMIC=0 "
+                  "turns this off.");
+    }
+    ++stats.symbolicRuns;
+    c.hash = fit.hash;
+    symbolic = fit.graph;
+    run.symbols = fit.symbols;
+  }
   run.hash = c.hash;
   for (uint32_t i : c.inputOrder)
     run.handles.push_back(t.inputHandles[i]);
@@ -266,11 +289,11 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
               std::to_string(c.graph.nodes.size()) + " nodes, graph " + c.hash.hex().substr(0, 12));
   if (!lost() && !transport_.connected())
     transport_.connect(); // the graph budget comes with the Hello's reply
-  if (hold(c.hash, c.graph)) {
+  if (hold(c.hash, symbolic ? *symbolic : c.graph)) {
     Command def;
     def.kind = wire::Command::DEFINE;
     def.hash = c.hash;
-    def.graph = std::make_shared<const ir::Graph>(std::move(c.graph));
+    def.graph = symbolic ? symbolic : std::make_shared<const ir::Graph>(std::move(c.graph));
     def.executor = executor;
     if (!diagnostics_.known(c.hash))
       diagnostics_.newGraph(c.hash, def.graph, reason, site_, locationText(site_));
@@ -660,6 +683,11 @@ Session::Reply Session::flush(bool wantReply) {
       r.setFirstOutput(c.handle);
       r.setNumOutputs(c.count);
       r.setReplyMetas(c.replyMetas);
+      if (!c.symbols.empty()) {
+        auto sy = r.initSymbols(c.symbols.size());
+        for (size_t k = 0; k < c.symbols.size(); ++k)
+          sy.set(k, c.symbols[k]);
+      }
       break;
     }
     case wire::Command::UPLOAD: {

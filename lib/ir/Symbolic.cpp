@@ -97,8 +97,9 @@ bool generalize(const Graph &sample, llvm::ArrayRef<std::vector<int64_t>> observ
     SymbolicInt s;
     s.position = p;
     bool found = false;
-    // Candidates, simplest first: a symbol itself, a multiple of one, of a product of two, then
-    // the same with an offset. An input's size may only be a symbol itself.
+    // Candidates, simplest first: a symbol itself, a multiple of one, of a product of two (or a
+    // square), then the same with an offset. Products come before offsets: two observations of
+    // t*t fit some c*t+d too, which the third shape would refute. An input's size may only be a symbol itself.
     for (int offset = 0; offset < 2 && !found; ++offset) {
       for (size_t a = 0; a < sym.size() && !found; ++a) {
         int64_t c, d;
@@ -108,7 +109,7 @@ bool generalize(const Graph &sample, llvm::ArrayRef<std::vector<int64_t>> observ
         }
       }
       for (size_t a = 0; a < sym.size() && !found && !inputSize[p]; ++a)
-        for (size_t b = a + 1; b < sym.size() && !found; ++b) {
+        for (size_t b = a; b < sym.size() && !found; ++b) { // a square too: t*t scores
           bool ok = true;
           for (size_t j = 0; j < k && ok; ++j)
             ok = !__builtin_mul_overflow(sym[a][j], sym[b][j], &x[j]);
@@ -190,7 +191,61 @@ bool instantiate(Graph &g, llvm::ArrayRef<int64_t> symbols) {
   return ok;
 }
 
-bool ShapeFamilies::fit(const Graph &concrete, Fit &out) {
+std::vector<std::string> symbolSources(const Graph &g) {
+  std::vector<std::string> out(g.symbolCount);
+  llvm::SmallVector<uint64_t, 8> source(g.symbolCount, ~uint64_t(0));
+  for (const SymbolicInt &s : g.symbolic)
+    if (s.expr.coef == 1 && s.expr.offset == 0 && s.expr.factors.size() == 1 &&
+        source[s.expr.factors[0]] == ~uint64_t(0))
+      source[s.expr.factors[0]] = s.position;
+  uint64_t p = 0;
+  auto name = [&](uint64_t at, const std::string &what) {
+    for (uint32_t k = 0; k < g.symbolCount; ++k)
+      if (source[k] == at)
+        out[k] = "s" + std::to_string(k) + " = " + what;
+  };
+  auto meta = [&](const TensorMeta &m, const std::string &what) {
+    for (size_t d = 0; d < m.sizes.size(); ++d)
+      name(p++, what + " size " + std::to_string(d));
+    for (size_t d = 0; d < m.strides.size(); ++d)
+      name(p++, what + " stride " + std::to_string(d));
+  };
+  for (size_t i = 0; i < g.inputs.size(); ++i)
+    meta(g.inputs[i], "input " + std::to_string(i));
+  for (size_t n = 0; n < g.nodes.size(); ++n) {
+    const Node &node = g.nodes[n];
+    std::string where = "node " + std::to_string(n) + " (" + node.op.str().str() + ")";
+    size_t k = 0;
+    for (const Arg &a : node.args)
+      if (a.kind == Arg::Kind::Int)
+        name(p++, where + " integer argument " + std::to_string(k++));
+    for (size_t o = 0; o < node.outputs.size(); ++o)
+      meta(node.outputs[o], where + " output " + std::to_string(o));
+  }
+  return out;
+}
+
+bool ShapeFamilies::fit(const Graph &concrete, const Hash128 &hash, Fit &out) {
+  auto it = memo_.find({hash.hi, hash.lo});
+  if (it != memo_.end()) {
+    out = it->second;
+    return out.graph != nullptr;
+  }
+  bool symbolic = fitNew(concrete, out);
+  if (out.isNew)
+    memo_.clear(); // graphs that ran as themselves may fit the new one
+  if (memo_.size() >= kMaxMemo)
+    memo_.clear();
+  Fit &m = memo_[{hash.hi, hash.lo}];
+  if (symbolic) {
+    m = out;
+    m.isNew = false;
+  }
+  return symbolic;
+}
+
+bool ShapeFamilies::fitNew(const Graph &concrete, Fit &out) {
+  out.isNew = false;
   Hash128 key = skeletonHash(concrete);
   Family &family = families_[{key.hi, key.lo}];
   std::vector<int64_t> values = positions(concrete);

@@ -123,6 +123,17 @@ void encodeGraph(const ir::Graph &g, Graph::Builder b) {
   auto locs = b.initLocations(g.locations.size());
   for (size_t i = 0; i < g.locations.size(); ++i)
     locs.set(i, g.locations[i]);
+  b.setSymbolCount(g.symbolCount);
+  auto symbolic = b.initSymbolic(g.symbolic.size());
+  for (size_t i = 0; i < g.symbolic.size(); ++i) {
+    const ir::SymbolicInt &s = g.symbolic[i];
+    symbolic[i].setPosition(s.position);
+    symbolic[i].setCoef(s.expr.coef);
+    symbolic[i].setOffset(s.expr.offset);
+    auto factors = symbolic[i].initFactors(s.expr.factors.size());
+    for (size_t k = 0; k < s.expr.factors.size(); ++k)
+      factors.set(k, s.expr.factors[k]);
+  }
 }
 
 std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g, OpCheck check) {
@@ -187,6 +198,17 @@ std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g, OpC
     node.loc = nr.getLoc();
   }
   copyList(g.outputs, r.getOutputs());
+  g.symbolCount = r.getSymbolCount();
+  for (auto sr : r.getSymbolic()) {
+    if (sr.getFactors().size() > ir::SymExpr::kMaxFactors)
+      return "a symbolic integer with too many factors";
+    ir::SymbolicInt s;
+    s.position = sr.getPosition();
+    s.expr.coef = sr.getCoef();
+    s.expr.offset = sr.getOffset();
+    copyList(s.expr.factors, sr.getFactors());
+    g.symbolic.push_back(std::move(s));
+  }
   return ir::verifyStructure(g);
 }
 

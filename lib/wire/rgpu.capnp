@@ -46,12 +46,22 @@ struct ScalarSlot {
   form @1 :UInt8;         # 0 Scalar, 1 wrapped-number tensor, 2 0-dim tensor
 }
 
+# An integer of a symbolic graph: coef * (product of the symbols named) + offset.
+struct SymbolicInt {
+  position @0 :UInt64;        # in rgpu/ir/Symbolic.h's forEachPosition order
+  coef @1 :Int64;
+  offset @2 :Int64;
+  factors @3 :List(UInt16);   # at most two
+}
+
 struct Graph {
   inputs @0 :List(TensorMeta);
   scalars @1 :List(ScalarSlot);
   nodes @2 :List(Node);
   outputs @3 :List(UInt32);
   locations @4 :List(Text);
+  symbolCount @5 :UInt32;     # size symbols; 0 for a static graph
+  symbolic @6 :List(SymbolicInt);
 }
 
 struct Hash {
@@ -101,6 +111,7 @@ struct Run {
   firstOutput @3 :UInt64;        # output k binds handle firstOutput + k
   replyMetas @4 :Bool;           # reply with the output metas (data-dependent shapes)
   numOutputs @5 :UInt32;         # lets the server poison the outputs of a graph it refused
+  symbols @6 :List(Int64);       # the values of a symbolic graph's size symbols for this run
 }
 
 struct Upload {
@@ -262,6 +273,7 @@ struct CompileJob {
   package @6 :Text;              # where the worker renames the finished package to
   result @7 :Text;               # where the worker writes its CompileResult
   zeroFill @8 :List(UInt32);     # nodes of the empty family: their outputs are zero-filled
+  symbols @9 :List(Int64);       # a symbolic graph's size symbols in that run
 }
 
 struct ConstantSlot {
@@ -269,11 +281,18 @@ struct ConstantSlot {
   value @1 :ScalarValue;
 }
 
+struct SymbolRange {
+  symbol @0 :UInt32;
+  min @1 :Int64;
+  max @2 :Int64;                  # -1: unbounded
+}
+
 struct CompileResult {
   union {
     ok :group {
       constants @0 :List(ConstantSlot); # scalar slots compiled as constants, with their values
       fxNodes @1 :UInt32;
+      ranges @3 :List(SymbolRange);     # a symbolic graph's sizes the package holds for
     }
     error @2 :Text;                     # why the compile failed: the graph stays on the plan
   }

@@ -25,6 +25,7 @@ __all__ = [
     "metrics_report",
     "reset",
     "server_stats",
+    "set_dynamic",
     "set_server",
     "stats",
     "synchronize",
@@ -114,12 +115,20 @@ def set_server(address: str) -> None:
     _C.set_server(address)
 
 
+def set_dynamic(enabled: bool) -> None:
+    """Whether graphs that differ only in sizes (a generation loop, the last batch of an epoch)
+    run as one graph over size symbols instead of one graph per shape. On unless
+    ``RGPU_DYNAMIC=0``; see docs/architecture.md, "Shapes that change"."""
+    _C.set_dynamic(enabled)
+
+
 def stats() -> dict:
     """Client counters since the process started.
 
     ``messages`` (frames sent), ``waits`` (blocking round trips), ``bytes_out``, ``bytes_in``,
     ``graphs_shipped`` (graphs sent in full), ``graph_runs``, ``ops_traced``, ``uploads``,
-    ``downloads``, ``live_tensors``.
+    ``downloads``, ``live_tensors``, ``graphs_generalized`` (symbolic graphs made from graphs
+    that differed only in sizes), ``symbolic_runs`` (runs of them).
     """
     return _C.stats()
 
@@ -186,8 +195,10 @@ def metrics_report() -> str:
         lines.append("  none")
     for site in recompiles:
         cause = "; ".join(site["last_diff"][:3]) or "different ops"
+        symbolic = f", {site['symbolic_graphs']} symbolic" if site["symbolic_graphs"] else ""
         lines.append(f"  {site['site'] or '?'}: {site['new_graphs']} graphs "
-                     f"({site['shape_only_graphs']} differ only in shapes); latest: {cause}")
+                     f"({site['shape_only_graphs']} differ only in shapes{symbolic}); "
+                     f"latest: {cause}")
     return "\n".join(lines)
 
 

@@ -120,6 +120,11 @@ PYBIND11_MODULE(_C, m) {
       "synchronize", []() { Session::get().synchronize(); },
       py::call_guard<py::gil_scoped_release>());
   m.def("seed", [](uint64_t seed) { Session::get().seed(seed); });
+  m.def("set_dynamic", [](bool on) {
+    Session &session = Session::get();
+    Session::Lock lock(session);
+    session.setDynamic(on);
+  });
   m.def("stats", []() {
     const Stats &s = Session::get().counters();
     py::dict d;
@@ -133,6 +138,8 @@ PYBIND11_MODULE(_C, m) {
     d["uploads"] = s.uploads.load();
     d["downloads"] = s.downloads.load();
     d["graphs_forgotten"] = s.graphsForgotten.load();
+    d["graphs_generalized"] = s.graphsGeneralized.load();
+    d["symbolic_runs"] = s.symbolicRuns.load();
     d["reconnects"] = Session::get().reconnects();
     d["live_tensors"] = Session::get().liveTensors();
     return d;
@@ -180,6 +187,7 @@ PYBIND11_MODULE(_C, m) {
       d["wait_ms"] = site.waitNs / 1e6;
       d["new_graphs"] = site.newGraphs;
       d["shape_only_graphs"] = site.shapeOnlyGraphs;
+      d["symbolic_graphs"] = site.symbolicGraphs;
       d["last_diff"] = site.lastDiff;
       sites.append(d);
     }

@@ -52,7 +52,10 @@ def test_tcp_needs_the_token_and_says_which_one_it_used(tmp_path):
     try:
         token_file = os.path.join(os.environ["XDG_CONFIG_HOME"], "rgpu", "token")
         assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
-        assert any(token_file in line and "fingerprint" in line for line in server.log)
+        deadline = time.time() + 10  # the log line may follow the "listening" one
+        while not any(token_file in line and "fingerprint" in line for line in server.log):
+            assert time.time() < deadline, server.log
+            time.sleep(0.05)
         token = open(token_file).read().strip()
 
         r = run_client(server.address, TINY)  # the default token file

@@ -27,7 +27,8 @@ def dump(cache, *args):
 
 def test_trace_dump_lists_shows_and_diffs_a_shape_change(server, tmp_path):
     cache = tmp_path / "graphs"
-    r = run_client(server.address, MLP.replace("BATCHES", "[8, 8, 12]"), env={"RGPU_CACHE_DIR": str(cache)})
+    r = run_client(server.address, MLP.replace("BATCHES", "[8, 8, 12]"),
+                   env={"RGPU_CACHE_DIR": str(cache), "RGPU_DYNAMIC": "0"})
     assert r.returncode == 0, r.stderr
     listing = dump(cache, "list")
     assert listing.returncode == 0, listing.stderr
@@ -48,6 +49,21 @@ def test_trace_dump_lists_shows_and_diffs_a_shape_change(server, tmp_path):
     assert "only tensor shapes differ" in text
 
 
+def test_trace_dump_shows_symbols_and_diffs_what_was_generalized(server, tmp_path):
+    cache = tmp_path / "graphs"
+    r = run_client(server.address, MLP.replace("BATCHES", "[8, 12, 5]"), env={"RGPU_CACHE_DIR": str(cache)})
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in dump(cache, "list").stdout.splitlines() if "cut at <string>:8" in line]
+    assert len(lines) == 2, lines  # batch 8, then one graph over the batch size s0
+    hashes = [line.split()[0] for line in lines]
+    shown = [dump(cache, "show", h).stdout for h in hashes]
+    symbolic = [s for s in shown if "f32[s0,16]" in s]
+    assert len(symbolic) == 1 and "aten::addmm(%0, %7, %8, $2, $3) : f32[s0,4]" in symbolic[0], shown
+    text = dump(cache, "diff", hashes[0], hashes[1]).stdout
+    assert "size symbols: " in text and ("f32[s0,16] vs f32[8,16]" in text or
+                                         "f32[8,16] vs f32[s0,16]" in text), text
+
+
 def test_trace_dump_errors_are_one_line(tmp_path):
     empty = dump(tmp_path, "list")
     assert empty.returncode != 0 and "no graphs" in empty.stderr
@@ -62,12 +78,17 @@ def test_trace_dump_errors_are_one_line(tmp_path):
 
 
 def test_recompile_warning_fires_for_changing_shapes_only(server, tmp_path):
-    env = {"RGPU_CACHE_DIR": "off"}
+    env = {"RGPU_CACHE_DIR": "off", "RGPU_DYNAMIC": "0"}
     varying = run_client(server.address, MLP.replace("BATCHES", "range(4, 12)"), env=env)
     assert "differ only in tensor shapes" in varying.stderr, varying.stderr
-    assert " vs f32[" in varying.stderr
+    assert "<string>:8 has cut" in varying.stderr and " vs f32[" in varying.stderr
     steady = run_client(server.address, MLP.replace("BATCHES", "[8] * 8"), env=env)
     assert "differ only in tensor shapes" not in steady.stderr, steady.stderr
+    # With dynamic shapes (the default) the site goes symbolic instead, and says so once.
+    dynamic = run_client(server.address, MLP.replace("BATCHES", "range(4, 12)"),
+                         env={"RGPU_CACHE_DIR": "off", "RGPU_LOG": "info"})
+    assert "differ only in tensor shapes" not in dynamic.stderr, dynamic.stderr
+    assert dynamic.stderr.count("now runs as one graph over 1 size symbol") == 1, dynamic.stderr
 
 
 def test_debug_log_shows_cuts_definitions_and_waits(server):
@@ -78,7 +99,7 @@ def test_debug_log_shows_cuts_definitions_and_waits(server):
 
 def test_metrics_report_names_graphs_sites_and_recompiles(server):
     code = MLP.replace("BATCHES", "[8, 8, 12]") + "\nprint(rgpu.metrics_report())"
-    r = run_client(server.address, code, env={"RGPU_CACHE_DIR": "off"})
+    r = run_client(server.address, code, env={"RGPU_CACHE_DIR": "off", "RGPU_DYNAMIC": "0"})
     assert r.returncode == 0, r.stderr
     for part in ("client counters:", "server counters:", "plan_builds", "graphs (3):", "exec ms/run",
                  "sync sites", "recompiles", "f32[8,16] vs f32[12,16]"):

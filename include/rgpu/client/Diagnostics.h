@@ -34,6 +34,7 @@ public:
   /// What rgpu.metrics_report() shows about one sync site (a user's source line).
   struct SiteInfo {
     uint64_t syncs = 0, waitNs = 0, newGraphs = 0, shapeOnlyGraphs = 0;
+    uint64_t symbolicGraphs = 0; ///< Graphs generalized over sizes (not counted in newGraphs).
     std::shared_ptr<const ir::Graph> last; ///< The latest new graph this site cut.
     std::vector<std::string> lastDiff;     ///< How it differed from the one before.
     bool warned = false;

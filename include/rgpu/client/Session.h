@@ -11,6 +11,7 @@
 #include "rgpu/client/Diagnostics.h"
 #include "rgpu/client/LazyTensor.h"
 #include "rgpu/client/Transport.h"
+#include "rgpu/ir/Symbolic.h"
 #include "rgpu/net/Frame.h"
 #include "rgpu/wire/Wire.h"
 
@@ -30,7 +31,8 @@ namespace rgpu::client {
 /// Counters reported by rgpu.stats().
 struct Stats {
   std::atomic<uint64_t> messages{0}, waits{0}, bytesOut{0}, bytesIn{0}, graphsShipped{0},
-      graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0}, graphsForgotten{0};
+      graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0}, graphsForgotten{0},
+      graphsGeneralized{0}, symbolicRuns{0};
 };
 
 /// How errors reach the user; the Python glue replaces the default (std::runtime_error) so that
@@ -166,6 +168,9 @@ public:
     logSink_ = sink;
     logDebug_ = debug;
   }
+  /// Whether graphs that differ only in sizes run as one symbolic graph (RGPU_DYNAMIC, on by
+  /// default; see rgpu/ir/Symbolic.h).
+  void setDynamic(bool on) { dynamic_ = on; }
   /// Warn when one sync site has cut more than this many graphs differing only in shapes.
   void setRecompileWarningThreshold(uint64_t n) { diagnostics_.setRecompileWarningThreshold(n); }
 
@@ -250,6 +255,8 @@ private:
   llvm::StringMap<uint32_t> locationIds_;
   uint32_t site_ = 0; ///< The user's line whose sync is being served.
   std::vector<ir::Hash128> runsInFrame_;
+  bool dynamic_ = true;
+  ir::ShapeFamilies families_;
   LogSink logSink_ = nullptr;
   bool logDebug_ = false;
   std::vector<std::string> locations_{std::string()};

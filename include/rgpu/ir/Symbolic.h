@@ -79,6 +79,10 @@ bool matchPositions(const Graph &g, llvm::ArrayRef<int64_t> gPositions,
 /// the wrong length or an expression overflows.
 bool instantiate(Graph &g, llvm::ArrayRef<int64_t> symbols);
 
+/// Where each symbol of \p g is first met, one line per symbol: "s0 = input 0 size 2",
+/// "s1 = node 4 (aten::slice_copy.Tensor) integer argument 1".
+std::vector<std::string> symbolSources(const Graph &g);
+
 /// The client's families of graphs, keyed by skeleton.
 class ShapeFamilies {
 public:
@@ -89,10 +93,12 @@ public:
     llvm::SmallVector<int64_t, 4> symbols;
     bool isNew = false; ///< The graph was generalized just now.
   };
-  /// Finds or makes the symbolic graph that \p concrete (canonical) runs as. False if it runs
-  /// as itself: the first of its family, a member seen before, or a family that has been
-  /// generalized kMaxGraphs times already.
-  bool fit(const Graph &concrete, Fit &out);
+  /// Finds or makes the symbolic graph that \p concrete (canonical, of hash \p hash) runs as.
+  /// False if it runs as itself: the first of its family (until the family is generalized),
+  /// a member that no symbolic graph fits, or one of a family generalized kMaxGraphs times
+  /// already. A graph asked about before is answered from a memo, so a training step of fixed
+  /// shapes pays one lookup.
+  bool fit(const Graph &concrete, const Hash128 &hash, Fit &out);
   static constexpr size_t kMaxGraphs = 4;   ///< Symbolic graphs per family.
   static constexpr size_t kMaxObserved = 8; ///< Observations kept per family.
 
@@ -107,7 +113,12 @@ private:
     std::vector<std::vector<int64_t>> observed;
     std::vector<Symbolic> graphs;
   };
+  bool fitNew(const Graph &concrete, Fit &out);
   llvm::DenseMap<std::pair<uint64_t, uint64_t>, Family> families_;
+  /// Per concrete graph hash, how it runs: as itself (no graph) or as a symbolic graph. Cleared
+  /// whenever a family gains a symbolic graph.
+  llvm::DenseMap<std::pair<uint64_t, uint64_t>, Fit> memo_;
+  static constexpr size_t kMaxMemo = 4096;
 };
 
 } // namespace rgpu::ir
