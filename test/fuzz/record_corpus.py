@@ -60,6 +60,12 @@ net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.BatchNor
 x = torch.randn(2, 2, 5, 5, device=d).to(memory_format=torch.channels_last)
 net(x).sum().backward(); net.eval(); print(net(x).cpu(), torch.nn.functional.dropout(x, 0.5).sum().item())
 """,
+    "symbolic": """
+cache = torch.zeros(1, 2, 0, 4, device=d)
+for n in range(4):
+    cache = torch.cat([cache, torch.randn(1, 2, 1, 4, device=d)], dim=2)
+    print(cache[:, :, 1:].reshape(2, -1).sum().item())
+""",
     "errors": """
 torch.manual_seed(1)
 try:
