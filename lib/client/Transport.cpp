@@ -313,18 +313,19 @@ void Transport::recover(const std::string &why, Clock::time_point since) {
       case Hello::Refused: lose(error);
       case Hello::NoAnswer: last = error; break;
       case Hello::Resumed: {
+        // Counted as soon as the server has taken the session back: a connection lost again
+        // while the kept frames go out is one more resume, not part of this one.
+        ++reconnects_;
+        log_(30, "rgpu: resumed the session on rgpu-opserver at " + address_ + " after " +
+                     seconds(std::chrono::duration<double>(Clock::now() - start).count()) +
+                     " without a connection; sending " + std::to_string(kept_.size()) +
+                     " frame(s) again");
         bool sent = true;
         for (const auto &kept : kept_)
           if (!(sent = socket_.sendAll(kept.second)))
             break;
-        if (sent) {
-          ++reconnects_;
-          log_(30, "rgpu: resumed the session on rgpu-opserver at " + address_ + " after " +
-                       seconds(std::chrono::duration<double>(Clock::now() - start).count()) +
-                       " without a connection; " + std::to_string(kept_.size()) +
-                       " frame(s) sent again");
+        if (sent)
           return;
-        }
         socket_.close();
         last = "the connection closed again while frames were sent again";
         break;
