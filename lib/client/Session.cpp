@@ -216,6 +216,7 @@ Session::Traced Session::buildGraph(llvm::ArrayRef<TraceNode *> nodes,
     for (const Value &v : n->inputs)
       if (!v.pending() && inputIds.try_emplace(v.data.get(), uint32_t(g.inputs.size())).second) {
         t.inputHandles.push_back(v.data->handle);
+        t.inputDynamicDims.push_back(v.data->dynamicDims);
         g.inputs.push_back(v.data->meta);
       }
   uint32_t next = g.inputs.size();
@@ -258,11 +259,25 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
   // graph (rgpu/ir/Symbolic.h).
   std::shared_ptr<const ir::Graph> symbolic;
   ir::ShapeFamilies::Fit fit;
-  if (dynamic_ && !replyMetas && families_.fit(c.graph, c.hash, fit)) {
+  llvm::SmallVector<uint32_t, 4> hinted; // input-size positions declared dynamic
+  if (dynamic_ && !replyMetas) {
+    uint32_t p = 0;
+    for (size_t j = 0; j < c.graph.inputs.size(); ++j) {
+      const uint64_t dims = t.inputDynamicDims[c.inputOrder[j]];
+      const size_t rank = c.graph.inputs[j].sizes.size();
+      for (size_t d = 0; d < rank && d < 64; ++d)
+        if (dims >> d & 1)
+          hinted.push_back(p + d);
+      p += rank + c.graph.inputs[j].strides.size();
+    }
+  }
+  if (dynamic_ && !replyMetas && families_.fit(c.graph, c.hash, fit, hinted)) {
     if (fit.isNew) {
       ++stats.graphsGeneralized;
-      log(20, "rgpu: " + locationText(site_) + " cut a graph that differs from an earlier one "
-                  "only in sizes; it now runs as one graph over " +
+      log(20, "rgpu: " + locationText(site_) +
+                  (fit.fromHints ? " cut a graph whose inputs have sizes declared dynamic"
+                                 : " cut a graph that differs from an earlier one only in sizes") +
+                  "; it now runs as one graph over " +
                   std::to_string(fit.graph->symbolCount) + " size symbol(s) (" +
                   llvm::join(ir::symbolSources(*fit.graph), ", ") + "), whatever those sizes are. RGPU_DYNAMIC=0 "
                   "turns this off.");

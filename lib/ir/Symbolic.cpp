@@ -1,5 +1,7 @@
 #include "rgpu/ir/Symbolic.h"
 
+#include <llvm/ADT/STLExtras.h>
+
 #include <algorithm>
 
 namespace rgpu::ir {
@@ -131,6 +133,63 @@ bool generalize(const Graph &sample, llvm::ArrayRef<std::vector<int64_t>> observ
   return symbolCount > 0;
 }
 
+bool generalizeHinted(const Graph &sample, llvm::ArrayRef<uint32_t> hinted,
+                      uint32_t &symbolCount, std::vector<SymbolicInt> &symbolic,
+                      uint32_t maxSymbols) {
+  const std::vector<int64_t> values = positions(sample);
+  std::vector<bool> inputSize(values.size(), false);
+  {
+    size_t p = 0;
+    for (const TensorMeta &m : sample.inputs) {
+      for (size_t d = 0; d < m.sizes.size(); ++d)
+        inputSize[p + d] = true;
+      p += m.sizes.size() + m.strides.size();
+    }
+  }
+  // The values that are symbols; each one is numbered where it is first met.
+  llvm::SmallVector<int64_t, 8> symbolValues;
+  for (uint32_t p : hinted)
+    if (p < values.size() && inputSize[p] && values[p] >= 2 &&
+        !llvm::is_contained(symbolValues, values[p]))
+      symbolValues.push_back(values[p]);
+  llvm::SmallVector<int, 8> id(symbolValues.size(), -1); // per value, its symbol once met
+  llvm::SmallVector<int64_t, 8> known;                   // per symbol, its value
+  symbolCount = 0;
+  symbolic.clear();
+  size_t nextHint = 0;
+  for (size_t p = 0; p < values.size(); ++p) {
+    bool isHinted = nextHint < hinted.size() && hinted[nextHint] == p;
+    nextHint += isHinted;
+    if (inputSize[p] && !isHinted)
+      continue; // an undeclared input keeps its sizes
+    const int64_t v = values[p];
+    auto at = llvm::find(symbolValues, v);
+    if (at != symbolValues.end()) {
+      int &k = id[at - symbolValues.begin()];
+      if (k < 0) {
+        if (symbolCount == maxSymbols)
+          return false;
+        k = int(symbolCount++);
+        known.push_back(v);
+      }
+      symbolic.push_back({p, {1, 0, {uint16_t(k)}}});
+      continue;
+    }
+    if (inputSize[p])
+      continue;
+    bool found = false;
+    for (size_t a = 0; a < known.size() && !found; ++a)
+      for (size_t b = a; b < known.size() && !found; ++b) {
+        int64_t x;
+        if (!__builtin_mul_overflow(known[a], known[b], &x) && x == v) {
+          symbolic.push_back({p, {1, 0, {uint16_t(a), uint16_t(b)}}});
+          found = true;
+        }
+      }
+  }
+  return symbolCount > 0;
+}
+
 Graph makeSymbolic(const Graph &concrete, uint32_t symbolCount,
                    std::vector<SymbolicInt> symbolic) {
   Graph g = concrete;
@@ -225,13 +284,14 @@ std::vector<std::string> symbolSources(const Graph &g) {
   return out;
 }
 
-bool ShapeFamilies::fit(const Graph &concrete, const Hash128 &hash, Fit &out) {
+bool ShapeFamilies::fit(const Graph &concrete, const Hash128 &hash, Fit &out,
+                        llvm::ArrayRef<uint32_t> hinted) {
   auto it = memo_.find({hash.hi, hash.lo});
   if (it != memo_.end()) {
     out = it->second;
     return out.graph != nullptr;
   }
-  bool symbolic = fitNew(concrete, out);
+  bool symbolic = fitNew(concrete, hinted, out);
   if (out.isNew)
     memo_.clear(); // graphs that ran as themselves may fit the new one
   if (memo_.size() >= kMaxMemo)
@@ -239,13 +299,13 @@ bool ShapeFamilies::fit(const Graph &concrete, const Hash128 &hash, Fit &out) {
   Fit &m = memo_[{hash.hi, hash.lo}];
   if (symbolic) {
     m = out;
-    m.isNew = false;
+    m.isNew = m.fromHints = false;
   }
   return symbolic;
 }
 
-bool ShapeFamilies::fitNew(const Graph &concrete, Fit &out) {
-  out.isNew = false;
+bool ShapeFamilies::fitNew(const Graph &concrete, llvm::ArrayRef<uint32_t> hinted, Fit &out) {
+  out.isNew = out.fromHints = false;
   Hash128 key = skeletonHash(concrete);
   Family &family = families_[{key.hi, key.lo}];
   std::vector<int64_t> values = positions(concrete);
@@ -256,10 +316,14 @@ bool ShapeFamilies::fitNew(const Graph &concrete, Fit &out) {
       out.isNew = false;
       return true;
     }
+  uint32_t count;
+  std::vector<SymbolicInt> symbolic;
   if (!family.first) {
     family.first = std::make_unique<Graph>(concrete);
     family.observed.push_back(std::move(values));
-    return false;
+    out.fromHints = true;
+    return !hinted.empty() && generalizeHinted(concrete, hinted, count, symbolic) &&
+           adopt(family, count, std::move(symbolic), out);
   }
   if (std::find(family.observed.begin(), family.observed.end(), values) != family.observed.end() ||
       family.graphs.size() == kMaxGraphs)
@@ -267,10 +331,12 @@ bool ShapeFamilies::fitNew(const Graph &concrete, Fit &out) {
   if (family.observed.size() == kMaxObserved)
     family.observed.erase(family.observed.begin() + 1); // keep the first: it made the skeleton
   family.observed.push_back(std::move(values));
-  uint32_t count;
-  std::vector<SymbolicInt> symbolic;
-  if (!generalize(*family.first, family.observed, count, symbolic))
-    return false;
+  return generalize(*family.first, family.observed, count, symbolic) &&
+         adopt(family, count, std::move(symbolic), out);
+}
+
+bool ShapeFamilies::adopt(Family &family, uint32_t count, std::vector<SymbolicInt> symbolic,
+                          Fit &out) {
   Symbolic s;
   s.graph = std::make_shared<const Graph>(makeSymbolic(*family.first, count, std::move(symbolic)));
   s.hash = hashGraph(*s.graph);

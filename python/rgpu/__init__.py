@@ -21,6 +21,7 @@ __all__ = [
     "AuthenticationError",
     "UnsupportedOpError",
     "compile_backend",
+    "mark_dynamic",
     "mark_step",
     "metrics_report",
     "reset",
@@ -120,6 +121,21 @@ def set_dynamic(enabled: bool) -> None:
     run as one graph over size symbols instead of one graph per shape. On unless
     ``RGPU_DYNAMIC=0``; see docs/architecture.md, "Shapes that change"."""
     _C.set_dynamic(enabled)
+
+
+def mark_dynamic(tensor, dims) -> None:
+    """Declares sizes of ``tensor`` dynamic, like ``torch._dynamo.mark_dynamic`` for eager rgpu
+    code: the first graph that reads it already runs as a graph over a size symbol for each
+    dimension in ``dims`` (an int or a list), instead of waiting to see a second size.
+    ``tensor`` must hold data: one moved to rgpu, or any after a sync; a pending one raises
+    ValueError. A wrong declaration costs a graph, never a result: a later graph that it does
+    not fit is generalized from the sizes seen."""
+    if isinstance(dims, int):
+        dims = [dims]
+    if not _C.mark_dynamic(tensor, list(dims)):
+        raise ValueError("rgpu.mark_dynamic: the tensor is not data on the server yet (it "
+                         "is the pending result of traced ops); call it on a tensor moved to "
+                         "rgpu, or after rgpu.mark_step()")
 
 
 def stats() -> dict:

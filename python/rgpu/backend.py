@@ -3,8 +3,10 @@
 Dynamo captures the Python program; aot_autograd splits it into a forward and a backward graph
 of aten ops. Each of those runs on rgpu tensors as one region: the region's ops are traced like
 any other rgpu ops and cut into exactly one rgpu graph at its end, which travels, is cached and
-is compiled on the server like a lazy graph (once per shape; the server compiles it with
-Inductor at its first run). Whatever the user traced before the region (an optimizer step, say)
+is compiled on the server like a lazy graph (the server compiles it with Inductor at its first
+run). With ``dynamic=True`` (or sizes dynamo has seen change), the sizes dynamo traced as
+symbols are declared dynamic (rgpu.mark_dynamic), so a region ships one symbolic graph, not one
+per shape. Whatever the user traced before the region (an optimizer step, say)
 is cut into its own graph first, so a region's graph is the same every step.
 
 Every op of a captured graph must be an aten op: the server runs nothing else. A custom op
@@ -57,12 +59,32 @@ def check_ops(gm, stage):
                     f"compiled function, or write it with aten ops{_where(node)}")
 
 
+def _dynamic_dims(gm):
+    """Per placeholder of \p gm, the dimensions its example value has as symbols (dynamo's
+    dynamic shapes), or None."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        dims = [d for d, size in enumerate(getattr(val, "shape", ()))
+                if isinstance(size, torch.SymInt)] if isinstance(val, torch.Tensor) else []
+        out.append(dims or None)
+    return out
+
+
 def _region(gm, stage, executor):
     check_ops(gm, stage)
+    dynamic = _dynamic_dims(gm)
 
     def run(*args):
         # The region's graph is cut on its own, queued, and sent with the next message.
         _C.mark_step(False, f"before a torch.compile {stage} graph", send=False)
+        # Sizes dynamo traced as symbols are declared dynamic, so the region's first graph is
+        # already its symbolic one: one graph per region, whatever the shapes.
+        for arg, dims in zip(args, dynamic):
+            if dims and isinstance(arg, torch.Tensor) and arg.device.type == "rgpu":
+                _C.mark_dynamic(arg, dims)
         out = gm(*args)
         _C.mark_step(False, f"torch.compile {stage} graph", executor, send=False)
         return out

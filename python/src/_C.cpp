@@ -125,6 +125,30 @@ PYBIND11_MODULE(_C, m) {
     Session::Lock lock(session);
     session.setDynamic(on);
   });
+  m.def(
+      "mark_dynamic",
+      [](const at::Tensor &t, std::vector<int64_t> dims) {
+        Session &session = Session::get();
+        Session::Lock lock(session);
+        LazyTensorImpl *impl = lazyImpl(t);
+        if (!impl)
+          throw py::value_error("rgpu.mark_dynamic: not an rgpu tensor");
+        if (impl->value.pending())
+          return false; // not data yet: the hint would have nothing to stay with
+        uint64_t mask = 0;
+        const int64_t rank = int64_t(impl->value.data->meta.sizes.size());
+        for (int64_t d : dims) {
+          if (d < -rank || d >= rank)
+            throw py::index_error("rgpu.mark_dynamic: dimension " + std::to_string(d) +
+                                  " is out of range for a tensor of " + std::to_string(rank) +
+                                  " dimension(s)");
+          if ((d + rank) % rank < 64)
+            mask |= uint64_t(1) << ((d + rank) % rank);
+        }
+        impl->value.data->dynamicDims |= mask;
+        return true;
+      },
+      py::arg("tensor"), py::arg("dims"));
   m.def("stats", []() {
     const Stats &s = Session::get().counters();
     py::dict d;

@@ -91,14 +91,30 @@ def test_a_compiled_training_step_with_an_optimizer():
         torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
 
 
-def test_dynamic_shapes_trace_one_graph_per_shape():
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_dynamic_shapes_ship_one_graph_per_region_over_five_shapes(train):
     torch.manual_seed(0)
     cpu = mlp()
     dev = copy.deepcopy(cpu).to("rgpu")
     compiled = torch.compile(dev, backend="rgpu", dynamic=True)
-    for n in (3, 5, 9):
+    known = {g["hash"] for g in rgpu._C.metrics()["graphs"]}
+    for n in (3, 5, 9, 12, 7):
         x = torch.randn(n, 16)
-        torch.testing.assert_close(compiled(x.to("rgpu")).cpu(), cpu(x), rtol=1e-4, atol=1e-5)
+        cpu.zero_grad()
+        dev.zero_grad()
+        with torch.set_grad_enabled(train):
+            expected = cpu(x)
+            out = compiled(x.to("rgpu"))
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-5)
+        if train:
+            expected.square().mean().backward()
+            out.square().mean().backward()
+            for p, q in zip(dev.parameters(), cpu.parameters()):
+                torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5)
+    reasons = [g["reason"] for g in rgpu._C.metrics()["graphs"] if g["hash"] in new_graphs(known)]
+    regions = ["forward", "backward"] if train else ["inference"]
+    for region in regions:
+        assert reasons.count(f"torch.compile {region} graph") == 1, reasons
 
 
 def test_inference_under_no_grad():

@@ -110,6 +110,49 @@ def test_training_on_batches_of_varying_shape_reuses_the_symbolic_graphs():
     assert rgpu.stats()["graphs_shipped"] - warm == 0
 
 
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "observed"])
+def test_mark_dynamic_makes_the_first_graph_the_symbolic_one(declared):
+    torch.manual_seed(0)
+    hidden = 48 if declared else 44  # graphs of their own, whichever test runs first
+    cpu = nn.Sequential(nn.Linear(12, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+    remote = nn.Sequential(nn.Linear(12, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+    remote.load_state_dict(cpu.state_dict())
+    remote.to(R)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cpu, remote)]
+    g = torch.Generator().manual_seed(1)
+    shipped = []
+    for n in (24, 40, 17, 33):
+        x, y = torch.randn(n, 12, generator=g), torch.randn(n, 3, generator=g)
+        rx, ry = x.to(R), y.to(R)
+        if declared:
+            rgpu.mark_dynamic(rx, 0)
+            rgpu.mark_dynamic(ry, [0])
+        losses = []
+        for model, opt, xx, yy in ((cpu, opts[0], x, y), (remote, opts[1], rx, ry)):
+            opt.zero_grad()
+            loss = F.mse_loss(model(xx), yy)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        shipped.append(rgpu.stats()["graphs_shipped"])
+    # The first step's graph is its own (it also reads the parameters' upload). Declared: the
+    # second step's graph is already the symbolic one, which the third reuses; observed: the
+    # second runs as itself and the third ships the symbolic graph.
+    assert shipped[2] - shipped[1] == (0 if declared else 1), shipped
+    assert shipped[3] == shipped[2], shipped
+
+
+def test_mark_dynamic_refuses_what_it_cannot_declare():
+    x = torch.ones(3, 4).to(R)
+    with pytest.raises(IndexError, match="out of range"):
+        rgpu.mark_dynamic(x, 2)
+    with pytest.raises(ValueError, match="not data on the server yet"):
+        rgpu.mark_dynamic(x * 2, 0)
+    with pytest.raises(ValueError, match="not an rgpu tensor"):
+        rgpu.mark_dynamic(torch.ones(3), 0)
+
+
 INDUCTOR_TRAINING = """
 import json, time, torch, rgpu
 import torch.nn.functional as F

@@ -22,6 +22,10 @@ struct DeviceData : llvm::ThreadSafeRefCountedBase<DeviceData> {
   ~DeviceData();
   const uint64_t handle;
   const ir::TensorMeta meta; ///< The layout the server holds it in.
+  /// Bit d: dimension d is declared dynamic (rgpu.mark_dynamic, torch.compile(dynamic=True)),
+  /// so the first graph that reads this data already treats that size as a symbol. Guarded by
+  /// the session lock.
+  uint64_t dynamicDims = 0;
 };
 
 struct TraceNode;

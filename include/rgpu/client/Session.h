@@ -192,6 +192,7 @@ private:
   struct Traced {
     ir::Graph graph;
     std::vector<uint64_t> inputHandles;
+    std::vector<uint64_t> inputDynamicDims; ///< DeviceData::dynamicDims, per input.
     std::vector<ir::ScalarValue> scalarValues;
     std::vector<uint32_t> clientLocs; ///< Graph location index -> the client's location id.
   };

@@ -64,6 +64,16 @@ bool generalize(const Graph &sample, llvm::ArrayRef<std::vector<int64_t>> observ
                 uint32_t &symbolCount, std::vector<SymbolicInt> &symbolic,
                 uint32_t maxSymbols = 16);
 
+/// Symbols from one observation, for input sizes the user or torch.compile has declared
+/// dynamic: each \p hinted position (an input size of \p sample, ascending) is a symbol,
+/// equal sizes sharing one; every other position equal to a symbol's value, or to the product
+/// of two, becomes that symbol or product, except the sizes of undeclared inputs. A guess: a
+/// later member it does not fit generalizes from two observations instead. False if no hinted
+/// size is 2 or more, or more than \p maxSymbols are needed.
+bool generalizeHinted(const Graph &sample, llvm::ArrayRef<uint32_t> hinted,
+                      uint32_t &symbolCount, std::vector<SymbolicInt> &symbolic,
+                      uint32_t maxSymbols = 16);
+
 /// \p concrete with the symbolic positions given (blanked to 0) and its symbols counted.
 Graph makeSymbolic(const Graph &concrete, uint32_t symbolCount,
                    std::vector<SymbolicInt> symbolic);
@@ -91,14 +101,18 @@ public:
     std::shared_ptr<const Graph> graph;
     Hash128 hash;
     llvm::SmallVector<int64_t, 4> symbols;
-    bool isNew = false; ///< The graph was generalized just now.
+    bool isNew = false;     ///< The graph was generalized just now,
+    bool fromHints = false; ///< from declared dynamic sizes alone.
   };
   /// Finds or makes the symbolic graph that \p concrete (canonical, of hash \p hash) runs as.
   /// False if it runs as itself: the first of its family (until the family is generalized),
   /// a member that no symbolic graph fits, or one of a family generalized kMaxGraphs times
   /// already. A graph asked about before is answered from a memo, so a training step of fixed
   /// shapes pays one lookup.
-  bool fit(const Graph &concrete, const Hash128 &hash, Fit &out);
+  /// \p hinted lists input-size positions declared dynamic (see generalizeHinted): the first
+  /// of a family then runs as a symbolic graph at once.
+  bool fit(const Graph &concrete, const Hash128 &hash, Fit &out,
+           llvm::ArrayRef<uint32_t> hinted = {});
   static constexpr size_t kMaxGraphs = 4;   ///< Symbolic graphs per family.
   static constexpr size_t kMaxObserved = 8; ///< Observations kept per family.
 
@@ -113,7 +127,8 @@ private:
     std::vector<std::vector<int64_t>> observed;
     std::vector<Symbolic> graphs;
   };
-  bool fitNew(const Graph &concrete, Fit &out);
+  bool fitNew(const Graph &concrete, llvm::ArrayRef<uint32_t> hinted, Fit &out);
+  bool adopt(Family &family, uint32_t count, std::vector<SymbolicInt> symbolic, Fit &out);
   llvm::DenseMap<std::pair<uint64_t, uint64_t>, Family> families_;
   /// Per concrete graph hash, how it runs: as itself (no graph) or as a symbolic graph. Cleared
   /// whenever a family gains a symbolic graph.

@@ -246,3 +246,53 @@ TEST(Symbolic, TwoShapesOfASquareAreASquareNotALine) {
   EXPECT_FALSE(fit.isNew);
   EXPECT_EQ(fit.hash, first);
 }
+
+TEST(Symbolic, DeclaredDynamicSizesMakeTheFirstGraphSymbolic) {
+  ShapeFamilies families;
+  ShapeFamilies::Fit fit;
+  // Both sizes of both inputs declared dynamic (positions: input 0 sizes 0, 1; input 1 sizes 4, 5).
+  const uint32_t hinted[] = {0, 1, 4, 5};
+  Graph first = batch(32, 64);
+  ASSERT_TRUE(families.fit(first, hashGraph(first), fit, hinted));
+  EXPECT_TRUE(fit.isNew);
+  EXPECT_TRUE(fit.fromHints);
+  EXPECT_EQ(fit.graph->symbolCount, 2u);
+  EXPECT_NE(text(*fit.graph).find("[s0*s1]) : f32[s0*s1]"), std::string::npos) << text(*fit.graph);
+  const Hash128 symbolic = fit.hash;
+  for (auto [b, t] : {std::pair<int64_t, int64_t>{17, 96}, {8, 7}, {32, 64}}) {
+    ASSERT_TRUE(fitOf(families, batch(b, t), fit)) << b << "x" << t;
+    EXPECT_FALSE(fit.isNew);
+    EXPECT_EQ(fit.hash, symbolic);
+  }
+}
+
+TEST(Symbolic, AWrongDeclarationCostsAGraphNotAResult) {
+  ShapeFamilies families;
+  ShapeFamilies::Fit fit;
+  // b declared dynamic at b = 8: q's stride 8 (its feature size) is taken for b as well, which
+  // the next batch size refutes.
+  const uint32_t hinted[] = {0};
+  Graph first = scores(8, 5);
+  ASSERT_TRUE(families.fit(first, hashGraph(first), fit, hinted));
+  EXPECT_TRUE(fit.fromHints);
+  const Hash128 guessed = fit.hash;
+  Graph next = scores(4, 5);
+  ASSERT_TRUE(families.fit(next, hashGraph(next), fit, hinted));
+  EXPECT_TRUE(fit.isNew);
+  EXPECT_FALSE(fit.fromHints); // generalized from the two shapes seen
+  EXPECT_NE(fit.hash, guessed);
+  for (int64_t b : {4, 8, 3}) {
+    ASSERT_TRUE(fitOf(families, scores(b, 5), fit)) << b;
+    Graph back = *fit.graph;
+    ASSERT_TRUE(instantiate(back, fit.symbols));
+    EXPECT_TRUE(sameStructure(back, scores(b, 5))) << b;
+  }
+}
+
+TEST(Symbolic, DeclaringOnlySizesOfZeroOrOneDeclaresNothing) {
+  ShapeFamilies families;
+  ShapeFamilies::Fit fit;
+  const uint32_t hinted[] = {0};
+  Graph g = batch(1, 64);
+  EXPECT_FALSE(families.fit(g, hashGraph(g), fit, hinted));
+}
