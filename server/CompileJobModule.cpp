@@ -178,7 +178,8 @@ py::dict readJob(const std::string &path) {
 }
 
 void writeOk(const std::string &path, const std::vector<std::pair<uint32_t, py::object>> &constants,
-             uint32_t fxNodes, const std::vector<std::tuple<uint32_t, int64_t, int64_t>> &ranges) {
+             uint32_t fxNodes, const std::vector<std::tuple<uint32_t, int64_t, int64_t>> &ranges,
+             const std::vector<std::tuple<uint32_t, uint32_t, int64_t, int64_t>> &relations) {
   capnp::MallocMessageBuilder b;
   auto ok = b.initRoot<wire::CompileResult>().initOk();
   auto list = ok.initConstants(constants.size());
@@ -192,6 +193,13 @@ void writeOk(const std::string &path, const std::vector<std::pair<uint32_t, py::
     r[i].setSymbol(std::get<0>(ranges[i]));
     r[i].setMin(std::get<1>(ranges[i]));
     r[i].setMax(std::get<2>(ranges[i]));
+  }
+  auto rel = ok.initRelations(relations.size());
+  for (size_t i = 0; i < relations.size(); ++i) {
+    rel[i].setSymbol(std::get<0>(relations[i]));
+    rel[i].setOf(std::get<1>(relations[i]));
+    rel[i].setCoef(std::get<2>(relations[i]));
+    rel[i].setOffset(std::get<3>(relations[i]));
   }
   if (std::string e = wire::writeMessageFile(path, b); !e.empty())
     throw std::runtime_error(e);
@@ -211,8 +219,10 @@ PYBIND11_MODULE(rgpu_compile_job, m) {
   m.def("read_job", &readJob, "The CompileJob in a file, as plain Python data.");
   m.def("write_ok", &writeOk, py::arg("path"), py::arg("constants"), py::arg("fx_nodes"),
         py::arg("ranges") = std::vector<std::tuple<uint32_t, int64_t, int64_t>>(),
-        "Writes a successful CompileResult: the (slot, value) pairs compiled as constants and "
-        "the (symbol, min, max) sizes a symbolic graph's package holds for.");
+        py::arg("relations") = std::vector<std::tuple<uint32_t, uint32_t, int64_t, int64_t>>(),
+        "Writes a successful CompileResult: the (slot, value) pairs compiled as constants, "
+        "the (symbol, min, max) sizes a symbolic graph's package holds for and the (symbol, "
+        "of, coef, offset) relations symbol == coef * of + offset it requires.");
   m.def("write_error", &writeError, py::arg("path"), py::arg("message"),
         "Writes a failed CompileResult with its reason.");
 }

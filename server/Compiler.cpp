@@ -40,7 +40,7 @@ constexpr int kTimedOut = -2;
 constexpr size_t kMaxStates = 8192;
 
 /// Bumped whenever inductor_worker.py changes what it builds from the same graph.
-constexpr const char *kWorkerFormat = "2";
+constexpr const char *kWorkerFormat = "3";
 
 std::string hex64(uint64_t v) {
   char buf[17];
@@ -71,6 +71,8 @@ std::string readResult(const std::string &path, Specialization *spec = nullptr) 
         spec->constants.emplace_back(c.getSlot(), wire::decodeScalar(c.getValue()));
       for (auto r : result.getOk().getRanges())
         spec->ranges.push_back({r.getSymbol(), r.getMin(), r.getMax()});
+      for (auto r : result.getOk().getRelations())
+        spec->relations.push_back({r.getSymbol(), r.getOf(), r.getCoef(), r.getOffset()});
     }
     return "";
   } catch (const kj::Exception &e) {
@@ -114,6 +116,13 @@ bool CompiledGraph::accepts(const Plan &plan, llvm::ArrayRef<ir::ScalarValue> sc
     if (r.symbol >= symbols.size() || symbols[r.symbol] < r.min ||
         (r.max >= 0 && symbols[r.symbol] > r.max))
       return false;
+  for (const auto &r : spec_.relations) {
+    int64_t want;
+    if (r.symbol >= symbols.size() || r.of >= symbols.size() ||
+        __builtin_mul_overflow(r.coef, symbols[r.of], &want) ||
+        __builtin_add_overflow(want, r.offset, &want) || symbols[r.symbol] != want)
+      return false;
+  }
   for (uint32_t i : plan.symbolicInputs())
     if (i >= inputs.size() || !inputs[i].tensor.is_contiguous())
       return false;

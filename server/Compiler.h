@@ -57,7 +57,7 @@ struct CompilerOptions {
 };
 
 /// What a package was specialized on: scalar slots compiled as constants, and the sizes of a
-/// symbolic graph's symbols it holds for (max -1: unbounded).
+/// symbolic graph's symbols it holds for (max -1: unbounded) and the relations between them.
 struct Specialization {
   std::vector<std::pair<uint32_t, ir::ScalarValue>> constants;
   struct Range {
@@ -65,6 +65,12 @@ struct Specialization {
     int64_t min, max;
   };
   std::vector<Range> ranges;
+  /// symbol == coef * of + offset: sizes export found tied (a mask one longer than the cache).
+  struct Relation {
+    uint32_t symbol, of;
+    int64_t coef, offset;
+  };
+  std::vector<Relation> relations;
 };
 
 /// A graph compiled by AOTInductor, ready to run.

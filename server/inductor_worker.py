@@ -245,13 +245,14 @@ def bounded(bound, infinite):
 
 
 def symbol_ranges(graph, exported):
-    """[(symbol, min, max)]: the sizes the exported program holds for, max -1 for unbounded. A
-    symbol export made a constant has min == max; one it tied to another symbol, or two of ours
-    it merged, cannot be checked by the server: Unsupported."""
+    """[(symbol, min, max)], the sizes the exported program holds for (max -1 for unbounded),
+    and [(symbol, of, coef, offset)], the symbols export tied to another one as symbol == coef
+    * of + offset (two of ours it merged: coef 1, offset 0). A symbol export made a constant has
+    min == max. A tie the server cannot check (of two symbols, or not linear): Unsupported."""
     import sympy
 
     if not graph["symbol_count"]:
-        return []
+        return [], []
     placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
     # User inputs come after any lifted parameters; this module has none.
     shapes = [n.meta["val"].shape for n in placeholders[:len(graph["inputs"])]]
@@ -264,19 +265,30 @@ def symbol_ranges(graph, exported):
             got = got.node.expr if isinstance(got, torch.SymInt) else sympy.Integer(got)
             if exprs.setdefault(e[2][0], got) != got:
                 raise Unsupported(f"export gave symbol s{e[2][0]} two forms")
-    seen, out = set(), []
+    ours, out, relations = {}, [], []  # export's symbol -> the first of ours that is it
     for k, expr in sorted(exprs.items()):
         if expr.is_Integer:
             out.append((k, int(expr), int(expr)))
-        elif expr.is_Symbol and expr not in seen:
-            seen.add(expr)
+        elif expr.is_Symbol and expr not in ours:
+            ours[expr] = k
             vr = exported.range_constraints.get(expr)
             lo = bounded(vr.lower, 0) if vr is not None else 0
             hi = bounded(vr.upper, -1) if vr is not None else -1
             out.append((k, lo, hi))
-        else:
+    for k, expr in sorted(exprs.items()):
+        if expr.is_Integer or ours.get(expr) == k:
+            continue
+        free = expr.free_symbols
+        if len(free) != 1 or next(iter(free)) not in ours:
             raise Unsupported(f"export made symbol s{k} the expression {expr}")
-    return out
+        x = next(iter(free))
+        poly = sympy.Poly(expr, x)
+        coefs = poly.all_coeffs()
+        if poly.degree() != 1 or not all(c.is_Integer for c in coefs):
+            raise Unsupported(f"export made symbol s{k} the expression {expr}")
+        out.append((k, 0, -1))
+        relations.append((k, ours[x], int(coefs[0]), int(coefs[1])))
+    return sorted(out), relations
 
 
 def contiguous_strides(sizes):
@@ -319,6 +331,8 @@ def branchy_slots(graph):
 
 def export(graph, device, values):
     """Exports the graph, making constants of the scalar slots that control flow depends on."""
+    from torch._dynamo.exc import UserError, UserErrorType
+    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     torch._dynamo.config.capture_scalar_outputs = True
@@ -335,6 +349,16 @@ def export(graph, device, values):
                                            dynamic_shapes=shapes,
                                            prefer_deferred_runtime_asserts_over_guards=True), \
                     specialized
+        except UserError as e:
+            # Sizes the graph ties together that the client saw as independent symbols (a mask
+            # one longer than the cache it covers): export them tied, as export suggests; the
+            # server checks the tie per run (symbol_ranges).
+            if e.error_type != UserErrorType.CONSTRAINT_VIOLATION or shapes is None:
+                raise
+            refined = refine_dynamic_shapes_from_suggested_fixes(e.msg, shapes)
+            if refined == shapes:
+                raise
+            shapes = refined
         except GuardOnDataDependentSymNode as e:
             slots = {interpreter.symbols.get(str(s)) for s in e.cond.free_symbols} - {None}
             if not slots or slots <= specialized:
@@ -348,7 +372,7 @@ def compile_graph(job):
     number of FX nodes and the (slot, value) pairs compiled as constants."""
     values = job["values"]
     exported, specialized = export(job, job["device"], values)
-    ranges = symbol_ranges(job, exported)
+    ranges, relations = symbol_ranges(job, exported)
     options = {}
     if job["mode"] == "max-autotune":
         options["max_autotune"] = True
@@ -362,7 +386,7 @@ def compile_graph(job):
         if os.path.exists(tmp):
             os.unlink(tmp)
     return (len(exported.graph.nodes), [(slot, values[slot]) for slot in sorted(specialized)],
-            ranges)
+            ranges, relations)
 
 
 def main(argv=None):
@@ -373,14 +397,14 @@ def main(argv=None):
     job = rgpu_compile_job.read_job(args.job)
     start = time.time()
     try:
-        fx_nodes, constants, ranges = compile_graph(job)
+        fx_nodes, constants, ranges, relations = compile_graph(job)
     except Exception as e:  # the server keeps the graph on the plan executor
         import traceback
         traceback.print_exc()
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         rgpu_compile_job.write_error(job["result"], f"{type(e).__name__}: {first}")
         return 1
-    rgpu_compile_job.write_ok(job["result"], constants, fx_nodes, ranges)
+    rgpu_compile_job.write_ok(job["result"], constants, fx_nodes, ranges, relations)
     sys.stderr.write(f"compiled {fx_nodes} FX nodes in {time.time() - start:.1f} s; "
                      f"{len(constants)} of {len(job['scalars'])} scalars compiled as constants\n")
     return 0

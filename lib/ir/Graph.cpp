@@ -340,6 +340,33 @@ public:
     for (int64_t s : m.strides)
       position(s);
   }
+  /// In a skeleton, whether an input is laid out in row-major order and, if not, its stride
+  /// order (its dimensions of size > 1 from the largest stride down): graphs whose input is a
+  /// permuted view in one and contiguous in the other are not one family, whose strides would
+  /// then follow no expression of the sizes. Size-1 dimensions, whose strides say nothing, are
+  /// left out.
+  void strideOrder(const TensorMeta &m) {
+    if (!skeleton)
+      return;
+    bool rowMajor = true;
+    for (size_t d = 0, last = SIZE_MAX; d < m.sizes.size() && d < m.strides.size(); ++d)
+      if (m.sizes[d] > 1) {
+        rowMajor &= last == SIZE_MAX || m.strides[last] >= m.strides[d];
+        last = d;
+      }
+    u64(rowMajor);
+    if (rowMajor)
+      return;
+    llvm::SmallVector<uint32_t, 8> dims;
+    for (uint32_t d = 0; d < m.sizes.size() && d < m.strides.size(); ++d)
+      if (m.sizes[d] > 1)
+        dims.push_back(d);
+    std::stable_sort(dims.begin(), dims.end(),
+                     [&](uint32_t a, uint32_t b) { return m.strides[a] > m.strides[b]; });
+    u64(dims.size());
+    for (uint32_t d : dims)
+      u64(d);
+  }
 };
 
 Hash128 hashGraph(const Graph &g, bool skeleton) {
@@ -348,8 +375,10 @@ Hash128 hashGraph(const Graph &g, bool skeleton) {
   w.buf.reserve(64 + g.nodes.size() * 96);
   w.u64(0); // salt slot, see below
   w.u64(g.inputs.size());
-  for (const TensorMeta &m : g.inputs)
+  for (const TensorMeta &m : g.inputs) {
     w.meta(m);
+    w.strideOrder(m);
+  }
   w.u64(g.scalars.size());
   for (const ScalarSlot &s : g.scalars)
     w.u64(uint64_t(uint8_t(s.dtype)) | uint64_t(s.form) << 8);

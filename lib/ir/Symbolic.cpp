@@ -321,9 +321,10 @@ bool ShapeFamilies::fitNew(const Graph &concrete, llvm::ArrayRef<uint32_t> hinte
   if (!family.first) {
     family.first = std::make_unique<Graph>(concrete);
     family.observed.push_back(std::move(values));
+    if (hinted.empty() || !generalizeHinted(concrete, hinted, count, symbolic))
+      return false;
     out.fromHints = true;
-    return !hinted.empty() && generalizeHinted(concrete, hinted, count, symbolic) &&
-           adopt(family, count, std::move(symbolic), out);
+    return adopt(family, count, std::move(symbolic), out);
   }
   if (std::find(family.observed.begin(), family.observed.end(), values) != family.observed.end() ||
       family.graphs.size() == kMaxGraphs)

@@ -287,12 +287,20 @@ struct SymbolRange {
   max @2 :Int64;                  # -1: unbounded
 }
 
+struct SymbolRelation {
+  symbol @0 :UInt32;              # symbol == coef * of + offset
+  of @1 :UInt32;
+  coef @2 :Int64;
+  offset @3 :Int64;
+}
+
 struct CompileResult {
   union {
     ok :group {
       constants @0 :List(ConstantSlot); # scalar slots compiled as constants, with their values
       fxNodes @1 :UInt32;
       ranges @3 :List(SymbolRange);     # a symbolic graph's sizes the package holds for
+      relations @4 :List(SymbolRelation); # and how export tied its symbols together
     }
     error @2 :Text;                     # why the compile failed: the graph stays on the plan
   }

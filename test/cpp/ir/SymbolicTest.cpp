@@ -296,3 +296,20 @@ TEST(Symbolic, DeclaringOnlySizesOfZeroOrOneDeclaresNothing) {
   Graph g = batch(1, 64);
   EXPECT_FALSE(families.fit(g, hashGraph(g), fit, hinted));
 }
+
+TEST(Symbolic, APermutedInputIsAnotherFamilyThanAContiguousOne) {
+  // Generation's first step reads the prompt's keys as a permuted view of a projection; later
+  // steps read a contiguous cache. Mixed, their strides would fit no expression of n.
+  Graph view = decode(8);
+  view.inputs[0].strides = {768, 8, 96, 1};
+  EXPECT_NE(skeletonHash(view), skeletonHash(decode(9)));
+  EXPECT_EQ(skeletonHash(decode(9)), skeletonHash(decode(10)));
+  ShapeFamilies families;
+  ShapeFamilies::Fit fit;
+  EXPECT_FALSE(fitOf(families, view, fit));
+  EXPECT_FALSE(fitOf(families, decode(9), fit)); // the first of its own family
+  ASSERT_TRUE(fitOf(families, decode(10), fit));
+  EXPECT_EQ(fit.graph->symbolCount, 1u);
+  EXPECT_NE(text(*fit.graph).find("input 0 : f32[1,4,s0,8]\n"), std::string::npos) // contiguous
+      << text(*fit.graph);
+}
