@@ -1,8 +1,11 @@
-// The server's graph verifier and plan executor, without the network.
+// The server's graph verifier, plan executor and compiled-package checks, without the network.
+#include "Compiler.h"
 #include "Plan.h"
+#include "rgpu/ir/Symbolic.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 using namespace rgpu;
 using rgpu::ir::Arg;
@@ -130,4 +133,35 @@ TEST(Plan, DenylistedOpsAreRefused) {
   g.nodes.push_back(n);
   g.outputs = {0};
   EXPECT_NE(refusal(g).find("aten::from_file"), std::string::npos) << refusal(g);
+}
+
+TEST(Compiler, APackageRunsOnlyWhereItsRangesAndTiesHold) {
+  // relu(x[s0]), relu(m[s1]), exported with m one longer than x (s1 == s0 + 1).
+  ir::Graph g;
+  g.inputs = {meta({5}), meta({6})};
+  g.nodes.push_back(node("aten::relu", {0}, {t(0)}, {meta({5})}));
+  g.nodes.push_back(node("aten::relu", {1}, {t(0)}, {meta({6})}));
+  g.outputs = {2, 3};
+  auto sym = [](uint32_t k) { return ir::SymExpr{1, 0, {uint16_t(k)}}; };
+  // Positions: x size 0, stride 1; m size 2, stride 3; the outputs' sizes 4 and 6.
+  ir::Graph symbolic =
+      ir::makeSymbolic(g, 2, {{0, sym(0)}, {2, sym(1)}, {4, sym(0)}, {6, sym(1)}});
+  std::string error;
+  auto plan = server::Plan::build(std::move(symbolic), error);
+  ASSERT_TRUE(plan) << error;
+  server::Specialization spec;
+  spec.ranges = {{0, 2, 100}, {1, 0, -1}};
+  spec.relations = {{1, 0, 1, 1}};
+  server::CompiledGraph compiled(nullptr, spec);
+  auto inputs = [](int64_t a, int64_t b) {
+    return std::vector<server::Entry>{{at::zeros({a}), nullptr}, {at::zeros({b}), nullptr}};
+  };
+  EXPECT_TRUE(compiled.accepts(*plan, {}, {5, 6}, inputs(5, 6)));
+  EXPECT_TRUE(compiled.accepts(*plan, {}, {40, 41}, inputs(40, 41)));
+  EXPECT_FALSE(compiled.accepts(*plan, {}, {5, 7}, inputs(5, 7)));     // the tie
+  EXPECT_FALSE(compiled.accepts(*plan, {}, {101, 102}, inputs(101, 102))); // the range
+  EXPECT_FALSE(compiled.accepts(*plan, {}, {5}, inputs(5, 6)));        // a symbol short
+  std::vector<server::Entry> strided = {{at::zeros({10}).slice(0, 0, 10, 2), nullptr},
+                                        {at::zeros({6}), nullptr}};
+  EXPECT_FALSE(compiled.accepts(*plan, {}, {5, 6}, strided)); // not the layout it was built for
 }
