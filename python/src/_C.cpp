@@ -41,7 +41,8 @@ struct RgpuError : torch::PyTorchError {
 }
 
 /// The innermost frame outside torch and rgpu: the user's line. Decisions are cached per code
-/// object (kept alive by the cache), so a training loop costs a few pointer lookups per op.
+/// object (kept alive by the cache) and locations per instruction, so a training loop costs a
+/// few pointer lookups per op.
 uint32_t userLocation() {
   if (!Py_IsInitialized())
     return 0;
@@ -64,9 +65,16 @@ uint32_t userLocation() {
     }
     bool skipped = it->second;
     if (!skipped) {
-      const char *file = PyUnicode_AsUTF8(code->co_filename);
-      id = Session::get().internLocation(std::string(file ? file : "?") + ":" +
-                                         std::to_string(PyFrame_GetLineNumber(frame)));
+      // Per instruction, the location it interned: a line number is a scan of the code's
+      // line table, and its text a string to build and look up.
+      static llvm::DenseMap<std::pair<PyCodeObject *, int>, uint32_t> lines;
+      auto [at, fresh] = lines.try_emplace({code, PyFrame_GetLasti(frame)}, 0);
+      if (fresh) {
+        const char *file = PyUnicode_AsUTF8(code->co_filename);
+        at->second = Session::get().internLocation(std::string(file ? file : "?") + ":" +
+                                                   std::to_string(PyFrame_GetLineNumber(frame)));
+      }
+      id = at->second;
     }
     Py_DECREF(code);
     if (!skipped) {
