@@ -3,10 +3,10 @@
 // A generation loop or a run over variable-length batches cuts graphs that differ only in
 // sizes, strides and integer arguments computed from them (slice ends, view sizes, pad
 // amounts). Those integers are a graph's *positions*. Graphs with the same *skeleton* (the graph
-// with every position blanked) form a family; once a family has been seen with two different
-// sets of positions, the client generalizes it into one symbolic graph whose varying positions
-// are expressions of a few size symbols, and every later member runs as that graph plus the
-// values of its symbols.
+// with every position blanked, and each input's stride order) form a family; once a family has
+// been seen with two different sets of positions (or once, with sizes declared dynamic), the
+// client generalizes it into one symbolic graph whose varying positions are expressions of a
+// few size symbols, and every later member runs as that graph plus the values of its symbols.
 //
 // Soundness does not rest on the generalization: a graph runs as a symbolic one only if
 // instantiating it with the extracted symbol values gives back exactly that graph, position
@@ -49,8 +49,9 @@ template <class G, class F> void forEachPosition(G &g, F &&f) {
 /// The integers at the positions of \p g, in forEachPosition order.
 std::vector<int64_t> positions(const Graph &g);
 
-/// A hash of everything but the positions' values: graphs with the same skeleton hash differ
-/// only in their positions.
+/// A hash of everything but the positions' values, plus each input's stride order (row-major
+/// or the permutation): graphs with the same skeleton hash differ only in their positions, and
+/// a permuted view is not of one family with a contiguous tensor.
 Hash128 skeletonHash(const Graph &g);
 
 /// Symbols and expressions that explain every observation of one family: positions equal in
