@@ -60,7 +60,7 @@ def check_ops(gm, stage):
 
 
 def _dynamic_dims(gm):
-    """Per placeholder of \p gm, the dimensions its example value has as symbols (dynamo's
+    """Per placeholder of ``gm``, the dimensions its example value has as symbols (dynamo's
     dynamic shapes), or None."""
     out = []
     for node in gm.graph.nodes:
