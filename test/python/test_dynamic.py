@@ -190,16 +190,22 @@ print(json.dumps({"cpu": train("cpu"), "rgpu": train("rgpu", wait_for_compiles),
 """
 
 
+def on_inductor_server(cache, compile_after, code):
+    """Runs `code` against a fresh Inductor server; returns the JSON of its last line."""
+    server = Server("--compiler", "inductor", "--cache-dir", str(cache), "--compile-after",
+                    str(compile_after))
+    try:
+        r = run_client(server.address, code, timeout=900)
+        assert r.returncode == 0, r.stderr + "".join(server.log)
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        server.stop()
+
+
 def test_inductor_compiles_a_symbolic_graph_once_for_every_shape(tmp_path):
     # The step graph goes symbolic in the first epoch; the server compiles it once (at its
     # second run), and the next six steps, over three shapes, run that one package.
-    server = Server("--compiler", "inductor", "--cache-dir", str(tmp_path), "--compile-after", "2")
-    try:
-        r = run_client(server.address, INDUCTOR_TRAINING, timeout=900)
-        assert r.returncode == 0, r.stderr + "".join(server.log)
-        out = json.loads(r.stdout.strip().splitlines()[-1])
-    finally:
-        server.stop()
+    out = on_inductor_server(tmp_path, 2, INDUCTOR_TRAINING)
     torch.testing.assert_close(torch.tensor(out["rgpu"]), torch.tensor(out["cpu"]), rtol=1e-4, atol=1e-5)
     stats = out["server"]
     assert stats["inductor_compiles"] == 1 and stats["compile_failures"] == 0, stats
@@ -231,15 +237,8 @@ def test_inductor_compiles_the_decoding_step_once_with_its_sizes_tied(tmp_path):
     # The decoding step's cache length and its mask's length are two symbols to the client;
     # export finds the mask one longer and the package holds for that tie, which the server
     # checks per run. Only the symbolic step runs often enough (3 times) to be compiled.
-    server = Server("--compiler", "inductor", "--cache-dir", str(tmp_path), "--compile-after", "3")
-    code = INDUCTOR_GENERATION.format(examples=os.path.join(os.path.dirname(__file__), "..", "..",
-                                                            "examples"))
-    try:
-        r = run_client(server.address, code, timeout=900)
-        assert r.returncode == 0, r.stderr + "".join(server.log)
-        out = json.loads(r.stdout.strip().splitlines()[-1])
-    finally:
-        server.stop()
+    out = on_inductor_server(tmp_path, 3, INDUCTOR_GENERATION.format(
+        examples=os.path.join(os.path.dirname(__file__), "..", "..", "examples")))
     assert out["same"]
     stats = out["server"]
     assert stats["inductor_compiles"] == 1 and stats["compile_failures"] == 0, stats

@@ -70,8 +70,9 @@ Graph scores(int64_t b, int64_t t) {
   return g;
 }
 
-bool fitOf(ShapeFamilies &families, const Graph &g, ShapeFamilies::Fit &out) {
-  return families.fit(g, hashGraph(g), out);
+bool fitOf(ShapeFamilies &families, const Graph &g, ShapeFamilies::Fit &out,
+           llvm::ArrayRef<uint32_t> hinted = {}) {
+  return families.fit(g, hashGraph(g), out, hinted);
 }
 
 std::string text(const Graph &g) {
@@ -252,8 +253,7 @@ TEST(Symbolic, DeclaredDynamicSizesMakeTheFirstGraphSymbolic) {
   ShapeFamilies::Fit fit;
   // Both sizes of both inputs declared dynamic (positions: input 0 sizes 0, 1; input 1 sizes 4, 5).
   const uint32_t hinted[] = {0, 1, 4, 5};
-  Graph first = batch(32, 64);
-  ASSERT_TRUE(families.fit(first, hashGraph(first), fit, hinted));
+  ASSERT_TRUE(fitOf(families, batch(32, 64), fit, hinted));
   EXPECT_TRUE(fit.isNew);
   EXPECT_TRUE(fit.fromHints);
   EXPECT_EQ(fit.graph->symbolCount, 2u);
@@ -272,12 +272,10 @@ TEST(Symbolic, AWrongDeclarationCostsAGraphNotAResult) {
   // b declared dynamic at b = 8: q's stride 8 (its feature size) is taken for b as well, which
   // the next batch size refutes.
   const uint32_t hinted[] = {0};
-  Graph first = scores(8, 5);
-  ASSERT_TRUE(families.fit(first, hashGraph(first), fit, hinted));
+  ASSERT_TRUE(fitOf(families, scores(8, 5), fit, hinted));
   EXPECT_TRUE(fit.fromHints);
   const Hash128 guessed = fit.hash;
-  Graph next = scores(4, 5);
-  ASSERT_TRUE(families.fit(next, hashGraph(next), fit, hinted));
+  ASSERT_TRUE(fitOf(families, scores(4, 5), fit, hinted));
   EXPECT_TRUE(fit.isNew);
   EXPECT_FALSE(fit.fromHints); // generalized from the two shapes seen
   EXPECT_NE(fit.hash, guessed);
@@ -293,8 +291,7 @@ TEST(Symbolic, DeclaringOnlySizesOfZeroOrOneDeclaresNothing) {
   ShapeFamilies families;
   ShapeFamilies::Fit fit;
   const uint32_t hinted[] = {0};
-  Graph g = batch(1, 64);
-  EXPECT_FALSE(families.fit(g, hashGraph(g), fit, hinted));
+  EXPECT_FALSE(fitOf(families, batch(1, 64), fit, hinted));
 }
 
 TEST(Symbolic, APermutedInputIsAnotherFamilyThanAContiguousOne) {
