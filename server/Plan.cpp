@@ -251,10 +251,11 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   step.op = runnable(name, *handle);
 
   step.schema = *handle;
+  const llvm::StringRef opBase = base; // a structured binding a lambda may capture (C++17)
   auto addConst = [&](const c10::Argument &sa, const c10::TypePtr &type, uint32_t at,
                       uint32_t si) -> std::string {
     c10::IValue v;
-    if (std::string e = constantOf(sa, type, base, n, n.args, at, v); !e.empty())
+    if (std::string e = constantOf(sa, type, opBase, n, n.args, at, v); !e.empty())
       return e;
     if (step.restrideOperands && sa.name() == "size")
       step.viewSize = step.consts.size();
