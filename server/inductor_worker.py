@@ -369,7 +369,8 @@ def export(graph, device, values):
 
 def compile_graph(job):
     """Exports and AOT-compiles the job's graph into job["package"] (atomically). Returns the
-    number of FX nodes and the (slot, value) pairs compiled as constants."""
+    number of FX nodes, the (slot, value) pairs compiled as constants, and a symbolic graph's
+    ranges and ties (symbol_ranges)."""
     values = job["values"]
     exported, specialized = export(job, job["device"], values)
     ranges, relations = symbol_ranges(job, exported)

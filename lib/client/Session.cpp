@@ -259,8 +259,9 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
   // graph (rgpu/ir/Symbolic.h).
   std::shared_ptr<const ir::Graph> symbolic;
   ir::ShapeFamilies::Fit fit;
+  const bool mayFit = dynamic_ && !replyMetas;
   llvm::SmallVector<uint32_t, 4> hinted; // input-size positions declared dynamic
-  if (dynamic_ && !replyMetas) {
+  if (mayFit) {
     uint32_t p = 0;
     for (size_t j = 0; j < c.graph.inputs.size(); ++j) {
       const uint64_t dims = t.inputDynamicDims[c.inputOrder[j]];
@@ -271,7 +272,7 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
       p += rank + c.graph.inputs[j].strides.size();
     }
   }
-  if (dynamic_ && !replyMetas && families_.fit(c.graph, c.hash, fit, hinted)) {
+  if (mayFit && families_.fit(c.graph, c.hash, fit, hinted)) {
     if (fit.isNew) {
       ++stats.graphsGeneralized;
       log(20, "rgpu: " + locationText(site_) +

@@ -348,21 +348,16 @@ public:
   void strideOrder(const TensorMeta &m) {
     if (!skeleton)
       return;
-    bool rowMajor = true;
-    for (size_t d = 0, last = SIZE_MAX; d < m.sizes.size() && d < m.strides.size(); ++d)
-      if (m.sizes[d] > 1) {
-        rowMajor &= last == SIZE_MAX || m.strides[last] >= m.strides[d];
-        last = d;
-      }
-    u64(rowMajor);
-    if (rowMajor)
-      return;
     llvm::SmallVector<uint32_t, 8> dims;
     for (uint32_t d = 0; d < m.sizes.size() && d < m.strides.size(); ++d)
       if (m.sizes[d] > 1)
         dims.push_back(d);
-    std::stable_sort(dims.begin(), dims.end(),
-                     [&](uint32_t a, uint32_t b) { return m.strides[a] > m.strides[b]; });
+    auto larger = [&](uint32_t a, uint32_t b) { return m.strides[a] > m.strides[b]; };
+    const bool rowMajor = std::is_sorted(dims.begin(), dims.end(), larger);
+    u64(rowMajor);
+    if (rowMajor)
+      return;
+    std::stable_sort(dims.begin(), dims.end(), larger);
     u64(dims.size());
     for (uint32_t d : dims)
       u64(d);

@@ -64,6 +64,18 @@ bool fitAffine(llvm::ArrayRef<int64_t> x, llvm::ArrayRef<int64_t> v, bool offset
   return true;
 }
 
+/// Per position of \p g (\p n of them), whether it is one of an input's sizes.
+std::vector<bool> inputSizePositions(const Graph &g, size_t n) {
+  std::vector<bool> out(n, false);
+  size_t p = 0;
+  for (const TensorMeta &m : g.inputs) {
+    for (size_t d = 0; d < m.sizes.size() && p + d < n; ++d)
+      out[p + d] = true;
+    p += m.sizes.size() + m.strides.size();
+  }
+  return out;
+}
+
 } // namespace
 
 bool generalize(const Graph &sample, llvm::ArrayRef<std::vector<int64_t>> observations,
@@ -75,15 +87,7 @@ bool generalize(const Graph &sample, llvm::ArrayRef<std::vector<int64_t>> observ
     if (o.size() != n)
       return false;
   // Positions that are input sizes: these are symbols themselves, never expressions.
-  std::vector<bool> inputSize(n, false);
-  {
-    size_t p = 0;
-    for (const TensorMeta &m : sample.inputs) {
-      for (size_t d = 0; d < m.sizes.size() && p + d < n; ++d)
-        inputSize[p + d] = true;
-      p += m.sizes.size() + m.strides.size();
-    }
-  }
+  const std::vector<bool> inputSize = inputSizePositions(sample, n);
   symbolCount = 0;
   symbolic.clear();
   std::vector<std::vector<int64_t>> sym; // per symbol, its value in each observation
@@ -137,15 +141,7 @@ bool generalizeHinted(const Graph &sample, llvm::ArrayRef<uint32_t> hinted,
                       uint32_t &symbolCount, std::vector<SymbolicInt> &symbolic,
                       uint32_t maxSymbols) {
   const std::vector<int64_t> values = positions(sample);
-  std::vector<bool> inputSize(values.size(), false);
-  {
-    size_t p = 0;
-    for (const TensorMeta &m : sample.inputs) {
-      for (size_t d = 0; d < m.sizes.size(); ++d)
-        inputSize[p + d] = true;
-      p += m.sizes.size() + m.strides.size();
-    }
-  }
+  const std::vector<bool> inputSize = inputSizePositions(sample, values.size());
   // The values that are symbols; each one is numbered where it is first met.
   llvm::SmallVector<int64_t, 8> symbolValues;
   for (uint32_t p : hinted)

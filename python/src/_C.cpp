@@ -150,8 +150,9 @@ PYBIND11_MODULE(_C, m) {
             throw py::index_error("rgpu.mark_dynamic: dimension " + std::to_string(d) +
                                   " is out of range for a tensor of " + std::to_string(rank) +
                                   " dimension(s)");
-          if ((d + rank) % rank < 64)
-            mask |= uint64_t(1) << ((d + rank) % rank);
+          const int64_t dim = d < 0 ? d + rank : d;
+          if (dim < 64)
+            mask |= uint64_t(1) << dim;
         }
         impl->value.data->dynamicDims |= mask;
         return true;
