@@ -251,13 +251,16 @@ Session::Traced Session::buildGraph(llvm::ArrayRef<TraceNode *> nodes,
 }
 
 uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
-                           const std::string &executor) {
+                           const std::string &executor, const TraceKey *key) {
+  return queueResolved(resolve(std::move(t), replyMetas, key), replyMetas, reason, executor);
+}
+
+Session::Resolved Session::resolve(Traced t, bool replyMetas, const TraceKey *key) {
   ir::Canonical c = ir::canonicalize(t.graph);
-  Command run;
-  run.kind = wire::Command::RUN;
+  Resolved r;
+  r.hash = c.hash;
   // A member of a family of graphs that differ only in sizes runs as the family's symbolic
   // graph (rgpu/ir/Symbolic.h).
-  std::shared_ptr<const ir::Graph> symbolic;
   ir::ShapeFamilies::Fit fit;
   const bool mayFit = dynamic_ && !replyMetas;
   llvm::SmallVector<uint32_t, 4> hinted; // input-size positions declared dynamic
@@ -283,56 +286,135 @@ uint64_t Session::queueRun(Traced t, bool replyMetas, const char *reason,
                   llvm::join(ir::symbolSources(*fit.graph), ", ") + "), whatever those sizes are. RGPU_DYNAMIC=0 "
                   "turns this off.");
     }
-    ++stats.symbolicRuns;
-    c.hash = fit.hash;
-    symbolic = fit.graph;
-    run.symbols = fit.symbols;
+    r.hash = fit.hash;
+    r.graph = fit.graph;
+    r.symbolic = true;
+    r.symbols = fit.symbols;
   }
-  run.hash = c.hash;
   for (uint32_t i : c.inputOrder)
-    run.handles.push_back(t.inputHandles[i]);
+    r.handles.push_back(t.inputHandles[i]);
   for (uint32_t s : c.scalarOrder)
-    run.scalars.push_back(t.scalarValues[s]);
-  run.count = c.graph.outputs.size();
+    r.scalars.push_back(t.scalarValues[s]);
+  r.outputs = c.graph.outputs.size();
+  // Where each canonical node came from in this trace, for error messages.
+  for (const ir::Node &node : c.graph.nodes)
+    r.locations.push_back(t.clientLocs[node.loc]);
+
+  std::vector<int64_t> concrete = ir::positions(c.graph);
+  if (key && !replyMetas && key->positions == ir::positions(t.graph)) {
+    // Later cuts of this trace shape skip building, canonicalizing and fitting their graph.
+    // Where the canonical graph takes each position from: canonicalize a copy of the trace's
+    // graph whose positions are their own indices.
+    ir::Graph numbered = t.graph;
+    int64_t next = 0;
+    ir::forEachPosition(numbered, [&](int64_t &v) { v = next++; });
+    Replay &replay = replays_.insert(key->shape);
+    for (int64_t k : ir::positions(ir::canonicalize(numbered).graph))
+      replay.positionOrder.push_back(uint32_t(k));
+    replay.inputOrder.assign(c.inputOrder.begin(), c.inputOrder.end());
+    replay.scalarOrder.assign(c.scalarOrder.begin(), c.scalarOrder.end());
+    replay.nodeOrder = c.nodeOrder;
+    replay.outputs = r.outputs;
+    replay.positions = concrete;
+    replay.hash = c.hash;
+    if (r.graph) {
+      replay.fit = fit;
+      replay.fit.isNew = replay.fit.fromHints = false;
+    }
+    if (dynamic_)
+      replay.candidates = families_.candidates(c.graph);
+    replay.generation = families_.generation();
+  }
+  if (!r.graph)
+    r.graph = std::make_shared<const ir::Graph>(std::move(c.graph));
+  return r;
+}
+
+bool Session::replay(const TraceKey &key, llvm::ArrayRef<TraceNode *> nodes, Resolved &res) {
+  Replay *r = replays_.find(key.shape);
+  if (!r || r->generation != families_.generation() ||
+      r->positionOrder.size() != key.positions.size())
+    return false;
+  std::vector<int64_t> concrete(r->positionOrder.size());
+  for (size_t k = 0; k < concrete.size(); ++k)
+    concrete[k] = key.positions[r->positionOrder[k]];
+  if (concrete == r->positions) {
+    // The same graph as last time: it runs as it ran then.
+    res.hash = r->fit.graph ? r->fit.hash : r->hash;
+    res.graph = r->fit.graph;
+    res.symbols = r->fit.symbols;
+    if (!res.graph && !heldIndex_.count(res.hash))
+      return false; // the server forgot it: the full path has the graph to define again
+  } else {
+    // Other sizes: an instance of one of the family's symbolic graphs, tried as fit tries them.
+    auto it = std::find_if(r->candidates.begin(), r->candidates.end(), [&](const auto &c) {
+      return ir::matchPositions(*c.graph, c.positions, concrete, res.symbols);
+    });
+    if (it == r->candidates.end())
+      return false;
+    res.hash = it->hash;
+    res.graph = it->graph;
+  }
+  res.symbolic = res.graph != nullptr;
+  for (uint32_t i : r->inputOrder)
+    res.handles.push_back(key.inputs[i]->handle);
+  for (uint32_t i : r->scalarOrder)
+    res.scalars.push_back(*key.scalars[i]);
+  res.outputs = r->outputs;
+  for (uint32_t n : r->nodeOrder)
+    res.locations.push_back(nodes[n]->location);
+  return true;
+}
+
+uint64_t Session::queueResolved(Resolved r, bool replyMetas, const char *reason,
+                                const std::string &executor) {
+  Command run;
+  run.kind = wire::Command::RUN;
+  run.hash = r.hash;
+  run.symbols = std::move(r.symbols);
+  run.handles = std::move(r.handles);
+  run.scalars = std::move(r.scalars);
+  run.count = r.outputs;
   run.handle = newHandles(run.count);
   run.replyMetas = replyMetas;
-  // Where each canonical node came from in this trace, for error messages.
-  std::vector<uint32_t> &locs = nodeLocations_[c.hash];
-  locs.clear();
-  for (const ir::Node &node : c.graph.nodes)
-    locs.push_back(t.clientLocs[node.loc]);
-  log(10, std::string("cut (") + reason + ") at " + locationText(site_) + ": " +
-              std::to_string(c.graph.nodes.size()) + " nodes, graph " + c.hash.hex().substr(0, 12));
+  const size_t nodes = r.locations.size();
+  nodeLocations_[r.hash] = std::move(r.locations);
+  if (r.symbolic)
+    ++stats.symbolicRuns;
+  if (logSink_ && logDebug_)
+    log(10, std::string("cut (") + reason + ") at " + locationText(site_) + ": " +
+                std::to_string(nodes) + " nodes, graph " + r.hash.hex().substr(0, 12));
   if (!lost() && !transport_.connected())
     transport_.connect(); // the graph budget comes with the Hello's reply
-  if (hold(c.hash, symbolic ? *symbolic : c.graph)) {
+  if (hold(r.hash, r.graph.get())) {
     Command def;
     def.kind = wire::Command::DEFINE;
-    def.hash = c.hash;
-    def.graph = symbolic ? symbolic : std::make_shared<const ir::Graph>(std::move(c.graph));
+    def.hash = r.hash;
+    def.graph = r.graph;
     def.executor = executor;
-    if (!diagnostics_.known(c.hash))
-      diagnostics_.newGraph(c.hash, def.graph, reason, site_, locationText(site_));
+    if (!diagnostics_.known(r.hash))
+      diagnostics_.newGraph(r.hash, def.graph, reason, site_, locationText(site_));
     else
-      log(10, "define graph " + c.hash.hex().substr(0, 12) + " again (forgotten to stay "
+      log(10, "define graph " + r.hash.hex().substr(0, 12) + " again (forgotten to stay "
               "under the server's graph memory)");
     ++stats.graphsShipped;
     queue(std::move(def));
   }
-  diagnostics_.ran(c.hash);
-  runsInFrame_.push_back(c.hash);
+  diagnostics_.ran(r.hash);
+  runsInFrame_.push_back(r.hash);
   ++stats.graphRuns;
   uint64_t first = run.handle;
   queue(std::move(run));
   return first;
 }
 
-bool Session::hold(const ir::Hash128 &hash, const ir::Graph &graph) {
+bool Session::hold(const ir::Hash128 &hash, const ir::Graph *graph) {
   if (auto it = heldIndex_.find(hash); it != heldIndex_.end()) {
     held_.splice(held_.begin(), held_, it->second);
     return false;
   }
-  const uint64_t bytes = ir::graphBytes(graph); // only for a graph the server lacks
+  TORCH_INTERNAL_ASSERT(graph, "rgpu: graph ", hash.hex(), " is neither held nor at hand");
+  const uint64_t bytes = ir::graphBytes(*graph); // only for a graph the server lacks
   Command forget;
   forget.kind = wire::Command::FORGET;
   while (transport_.graphBudget() && heldBytes_ + bytes > transport_.graphBudget() &&
@@ -352,6 +434,14 @@ bool Session::hold(const ir::Hash128 &hash, const ir::Graph &graph) {
   heldBytes_ += bytes;
   return true;
 }
+
+namespace {
+/// Equal as stored (a NaN equals itself).
+bool sameBits(const ir::ScalarValue &a, const ir::ScalarValue &b) {
+  return a.kind == b.kind && a.i == b.i && std::memcmp(&a.d, &b.d, sizeof a.d) == 0 &&
+         std::memcmp(&a.imag, &b.imag, sizeof a.imag) == 0;
+}
+} // namespace
 
 Session::CutOutputs Session::cut(const char *reason, const std::string &executor) {
   // Live tensors with pending work, grouped by the value they hold.
@@ -400,7 +490,25 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
   std::vector<std::pair<TraceNode *, uint32_t>> outputs;
   for (const Out &o : outs)
     outputs.push_back({o.node, o.index});
-  uint64_t first = queueRun(buildGraph(nodes, outputs), false, reason, executor);
+  TraceKey key = readTrace(nodes, outputs);
+  Resolved replayed;
+  uint64_t first;
+  if (!replay(key, nodes, replayed)) {
+    first = queueRun(buildGraph(nodes, outputs), false, reason, executor, &key);
+  } else {
+    if (checkReplays_) {
+      Resolved full = resolve(buildGraph(nodes, outputs), false, &key);
+      if (full.hash != replayed.hash || full.symbols != replayed.symbols ||
+          full.handles != replayed.handles ||
+          !std::equal(full.scalars.begin(), full.scalars.end(), replayed.scalars.begin(),
+                      replayed.scalars.end(), sameBits) ||
+          full.outputs != replayed.outputs || full.locations != replayed.locations)
+        raise(ErrorKind::Remote, "rgpu: a replayed cut differs from its graph (" +
+                                     full.hash.hex() + " vs " + replayed.hash.hex() + ")");
+    }
+    ++stats.cutsReplayed;
+    first = queueResolved(std::move(replayed), false, reason, executor);
+  }
 
   // The live tensors now hold device data; their traced nodes are released with them.
   for (size_t k = 0; k < outs.size(); ++k) {

@@ -23,8 +23,10 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <llvm/ADT/DenseMap.h>
 #include <llvm/ADT/StringSet.h>
 
+#include <cstring>
 #include <unordered_map>
 
 namespace rgpu::client {
@@ -104,10 +106,10 @@ public:
     auto it = map_.find(key);
     return it == map_.end() ? nullptr : &it->second;
   }
-  void insert(std::string key, OpMetas metas) {
+  const OpMetas *insert(std::string key, OpMetas metas) {
     if (map_.size() >= kMaxEntries)
       map_.clear();
-    map_.emplace(std::move(key), std::move(metas));
+    return &map_.insert_or_assign(std::move(key), std::move(metas)).first->second;
   }
 
 private:
@@ -131,7 +133,23 @@ class Recorder {
 public:
   Recorder(const c10::OperatorHandle &op, llvm::StringRef name)
       : op_(op), name_(name), node_(new TraceNode) {
+    // Interned once per operator. The name is compared too: an operator registered after
+    // another was removed may reuse its schema's address.
+    struct Interned {
+      c10::OperatorName name;
+      ir::Symbol symbol;
+    };
+    static llvm::DenseMap<const void *, Interned> symbols; // used under the session lock
+    const c10::OperatorName &opName = op.operator_name();
+    auto it = symbols.find(&op.schema());
+    if (it != symbols.end() && it->second.name == opName) {
+      node_->node.op = it->second.symbol;
+      return;
+    }
     node_->node.op = ir::Symbol::get(fullName(op));
+    if (it != symbols.end())
+      symbols.erase(it);
+    symbols.try_emplace(&op.schema(), Interned{opName, node_->node.op});
   }
 
   static std::string fullName(const c10::OperatorHandle &op) {
@@ -147,27 +165,27 @@ public:
 
   bool dataDependent = false;
 
-  /// Computes output metas on the meta device. Returns false if the op's output shape depends on
-  /// data (or it has no meta kernel), in which case the caller runs it on the server at once.
-  bool inferMetas(OpMetas &outs) {
+  /// Output metas, from the meta cache or computed on the meta device (valid until the next op
+  /// is recorded). Null if the op's output shape depends on data (or it has no meta kernel), in
+  /// which case the caller runs it on the server at once.
+  const OpMetas *inferMetas() {
     if (dataDependent || isDataDependent(name_))
-      return false;
+      return nullptr;
     std::string key = cacheKey();
-    if (const OpMetas *hit = metaCache().find(key)) {
-      outs = *hit;
-      return true;
-    }
+    if (const OpMetas *hit = metaCache().find(key))
+      return hit;
+    OpMetas outs;
     try {
       metaCall();
     } catch (const c10::NotImplementedError &) {
-      return false; // no meta kernel: the server will tell us the shapes
+      return nullptr; // no meta kernel: the server will tell us the shapes
     } catch (const c10::Error &e) {
       std::string msg = e.what_without_backtrace();
       if (msg.find("data-dependent") != std::string::npos ||
           msg.find("data dependent") != std::string::npos ||
           msg.find("Cannot copy out of meta tensor") != std::string::npos ||
           msg.find("meta tensor") != std::string::npos)
-        return false;
+        return nullptr;
       throw;
     }
     for (const c10::IValue &r : meta_) {
@@ -196,8 +214,7 @@ public:
                                     " returns a non-tensor value, which rgpu cannot trace");
       }
     }
-    metaCache().insert(std::move(key), outs);
-    return true;
+    return metaCache().insert(std::move(key), std::move(outs));
   }
 
   llvm::IntrusiveRefCntPtr<TraceNode> node() { return node_; }
@@ -205,7 +222,14 @@ public:
 private:
   std::string cacheKey() const {
     std::string key;
-    auto put = [&](const void *p, size_t n) { key.append(static_cast<const char *>(p), n); };
+    size_t used = 0;
+    // Appends in place (std::string::append is an out-of-line call per value).
+    auto put = [&](const void *p, size_t n) {
+      if (used + n > key.size())
+        key.resize(std::max(2 * key.size(), used + n + 128));
+      std::memcpy(&key[used], p, n);
+      used += n;
+    };
     auto putMeta = [&](const ir::TensorMeta &m) {
       put(&m.dtype, 1);
       uint32_t rank = m.sizes.size();
@@ -222,10 +246,10 @@ private:
       put(&a.d, 8);
     }
     for (const std::string &s : n.strings)
-      key.append(s).push_back('\0');
+      put(s.c_str(), s.size() + 1);
     for (const ir::TensorMeta &m : operandMetas_)
       putMeta(m);
-    key.append(operandBits_.begin(), operandBits_.end());
+    put(operandBits_.data(), operandBits_.size());
     for (const ir::ScalarSlot &s : node_->scalarSlots) {
       put(&s.dtype, 1);
       put(&s.form, 1);
@@ -239,6 +263,7 @@ private:
         put(&v.imag, 8);
       }
     }
+    key.resize(used);
     return key;
   }
 
@@ -246,6 +271,7 @@ private:
   /// the view itself, as CPU eager would give it; the server runs it as that view, so tensors
   /// keep CPU's layouts (a transposed result downloads transposed, is_contiguous() agrees).
   void metaCall() {
+    makeTwins();
     if (auto handle = bridge::viewOf(op_.operator_name())) {
       torch::jit::Stack twin = meta_;
       try {
@@ -339,26 +365,25 @@ private:
       // Tensor[] or Tensor?[]: each element becomes an operand (or None).
       auto items = v.toListRef();
       node_->node.args.push_back(Arg::ref(Arg::Kind::List, items.size()));
+      llvm::SmallVector<int32_t, 4> operands;
       if (!optional) {
-        std::vector<at::Tensor> metas;
         for (const c10::IValue &item : items)
-          metas.push_back(operand(item.toTensor(), argName, /*allowCpuScalar=*/false));
-        meta_.emplace_back(metas);
+          operands.push_back(operand(item.toTensor(), argName));
+        defer(Deferred::List, std::move(operands));
         return;
       }
-      c10::List<std::optional<at::Tensor>> metas;
       for (const c10::IValue &item : items) {
         if (item.isNone() || !item.toTensor().defined()) {
           node_->node.args.push_back(Arg::none());
-          metas.push_back(std::nullopt);
+          operands.push_back(-1);
           continue;
         }
         const at::Tensor &t = item.toTensor();
         if (t.scalar_type() == at::kBool || t.scalar_type() == at::kByte)
           dataDependent = true; // boolean mask indexing: the result size is the mask's count
-        metas.push_back(operand(t, argName, false));
+        operands.push_back(operand(t, argName));
       }
-      meta_.emplace_back(metas);
+      defer(Deferred::OptionalList, std::move(operands));
       return;
     }
     if (elem->kind() == c10::TypeKind::NumberType) {
@@ -395,12 +420,22 @@ private:
                 t, t.scalar_type());
       return;
     }
-    at::Tensor m = operand(t, argName, true);
-    meta_.emplace_back(m);
+    defer(Deferred::One, {operand(t, argName)});
   }
 
-  /// Appends \p t as an operand and returns its meta twin.
-  at::Tensor operand(const at::Tensor &t, const std::string &argName, bool allowCpuScalar) {
+  /// A slot of the meta stack whose twins are made on a miss (makeTwins).
+  struct Deferred {
+    enum Kind { One, List, OptionalList } kind;
+    size_t slot;
+    llvm::SmallVector<int32_t, 4> operands; ///< -1: None, in an optional list.
+  };
+  void defer(Deferred::Kind kind, llvm::SmallVector<int32_t, 4> operands) {
+    deferred_.push_back({kind, meta_.size(), std::move(operands)});
+    meta_.emplace_back();
+  }
+
+  /// Appends \p t as an operand and returns its index.
+  int32_t operand(const at::Tensor &t, const std::string &argName) {
     Value v;
     ir::TensorMeta meta;
     uint8_t bits = 0;
@@ -420,11 +455,38 @@ private:
     node_->inputs.push_back(std::move(v));
     operandMetas_.push_back(meta);
     operandBits_.push_back(char(bits));
+    return int32_t(operandMetas_.size() - 1);
+  }
+
+  /// The meta twin of operand \p k.
+  at::Tensor twin(int32_t k) const {
+    const ir::TensorMeta &meta = operandMetas_[k];
     return withMathBits(at::empty_strided(meta.sizes, meta.strides,
                                           at::TensorOptions()
                                               .dtype(static_cast<c10::ScalarType>(meta.dtype))
                                               .device(at::kMeta)),
-                        bits);
+                        operandBits_[k]);
+  }
+
+  /// Puts the operands' meta twins into the meta stack (only a meta cache miss needs them).
+  void makeTwins() {
+    for (const Deferred &d : deferred_) {
+      c10::IValue &slot = meta_[d.slot];
+      if (d.kind == Deferred::One) {
+        slot = twin(d.operands[0]);
+      } else if (d.kind == Deferred::List) {
+        std::vector<at::Tensor> list;
+        for (int32_t k : d.operands)
+          list.push_back(twin(k));
+        slot = list;
+      } else {
+        c10::List<std::optional<at::Tensor>> list;
+        for (int32_t k : d.operands)
+          list.push_back(k < 0 ? std::optional<at::Tensor>() : twin(k));
+        slot = list;
+      }
+    }
+    deferred_.clear();
   }
 
   void addScalar(const c10::Scalar &s, ir::ScalarForm form, const c10::IValue &metaValue,
@@ -459,7 +521,8 @@ private:
   const c10::OperatorHandle &op_;
   llvm::StringRef name_;
   llvm::IntrusiveRefCntPtr<TraceNode> node_;
-  torch::jit::Stack meta_;
+  torch::jit::Stack meta_; ///< The op's arguments for its meta kernel.
+  std::vector<Deferred> deferred_;
   std::vector<ir::TensorMeta> operandMetas_;
   std::string operandBits_; ///< Each operand's mathBits, for the meta cache key.
 };
@@ -647,19 +710,21 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   const size_t nargs = schema.arguments().size();
   Recorder rec(op, name);
   rec.addArgs(torch::jit::last(*stack, nargs));
-  OpMetas metas;
-  bool traced = rec.inferMetas(metas);
+  const OpMetas *traced = rec.inferMetas();
   llvm::IntrusiveRefCntPtr<TraceNode> node = rec.node();
   node->location = location;
   node->seq = session.nextSeq();
 
   std::vector<at::Tensor> outs;
+  std::vector<int32_t> listSizes;
   if (traced) {
+    const OpMetas &metas = *traced;
     node->node.outputs.assign(metas.outputs.begin(), metas.outputs.end());
     for (uint32_t i = 0; i < metas.outputs.size(); ++i)
       outs.push_back(metas.outputs[i].dtype == ir::dtype::Undefined
                          ? at::Tensor()
                          : makeLazy(Value{node, i, nullptr}, metas.outputs[i], metas.bits[i]));
+    listSizes = metas.listSizes;
   } else {
     size_t count = schema.returns().size();
     TORCH_CHECK_NOT_IMPLEMENTED(
@@ -669,12 +734,12 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     node->node.outputs.assign(count, ir::TensorMeta());
     for (auto &[value, meta] : session.runNow(node))
       outs.push_back(makeLazy(std::move(value), meta));
-    metas.listSizes.assign(count, -1);
+    listSizes.assign(count, -1);
   }
   torch::jit::drop(*stack, nargs);
   // Outputs are flat; each return takes one tensor or its list's length of them.
   size_t next = 0;
-  for (int32_t size : metas.listSizes) {
+  for (int32_t size : listSizes) {
     if (size < 0) {
       stack->emplace_back(forUser(std::move(outs[next++])));
       continue;

@@ -312,6 +312,7 @@ Canonical canonicalize(const Graph &g) {
   }
   for (uint32_t v : g.outputs)
     out.outputs.push_back(mapValue(v));
+  c.nodeOrder = std::move(order);
   c.hash = hashGraph(out);
   return c;
 }

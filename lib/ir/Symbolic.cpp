@@ -332,9 +332,17 @@ bool ShapeFamilies::fitNew(const Graph &concrete, llvm::ArrayRef<uint32_t> hinte
          adopt(family, count, std::move(symbolic), out);
 }
 
+std::vector<ShapeFamilies::Candidate> ShapeFamilies::candidates(const Graph &concrete) const {
+  Hash128 key = skeletonHash(concrete);
+  auto it = families_.find({key.hi, key.lo});
+  if (it == families_.end())
+    return {};
+  return {it->second.graphs.rbegin(), it->second.graphs.rend()};
+}
+
 bool ShapeFamilies::adopt(Family &family, uint32_t count, std::vector<SymbolicInt> symbolic,
                           Fit &out) {
-  Symbolic s;
+  Candidate s;
   s.graph = std::make_shared<const Graph>(makeSymbolic(*family.first, count, std::move(symbolic)));
   s.hash = hashGraph(*s.graph);
   s.positions = positions(*s.graph);
@@ -344,6 +352,7 @@ bool ShapeFamilies::adopt(Family &family, uint32_t count, std::vector<SymbolicIn
   out.hash = s.hash;
   out.isNew = true;
   family.graphs.push_back(std::move(s));
+  ++generation_;
   return true;
 }
 

@@ -144,7 +144,8 @@ def stats() -> dict:
     ``messages`` (frames sent), ``waits`` (blocking round trips), ``bytes_out``, ``bytes_in``,
     ``graphs_shipped`` (graphs sent in full), ``graph_runs``, ``ops_traced``, ``uploads``,
     ``downloads``, ``live_tensors``, ``graphs_generalized`` (symbolic graphs made from graphs
-    that differed only in sizes), ``symbolic_runs`` (runs of them).
+    that differed only in sizes), ``symbolic_runs`` (runs of them), ``cuts_replayed`` (cuts that
+    ran as an earlier cut of the same trace shape resolved, without building their graph).
     """
     return _C.stats()
 

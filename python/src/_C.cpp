@@ -128,6 +128,11 @@ PYBIND11_MODULE(_C, m) {
       "synchronize", []() { Session::get().synchronize(); },
       py::call_guard<py::gil_scoped_release>());
   m.def("seed", [](uint64_t seed) { Session::get().seed(seed); });
+  m.def("_check_replays", [](bool on) {
+    Session &session = Session::get();
+    Session::Lock lock(session);
+    session.setCheckReplays(on);
+  });
   m.def("set_dynamic", [](bool on) {
     Session &session = Session::get();
     Session::Lock lock(session);
@@ -173,6 +178,7 @@ PYBIND11_MODULE(_C, m) {
     d["graphs_forgotten"] = s.graphsForgotten.load();
     d["graphs_generalized"] = s.graphsGeneralized.load();
     d["symbolic_runs"] = s.symbolicRuns.load();
+    d["cuts_replayed"] = s.cutsReplayed.load();
     d["reconnects"] = Session::get().reconnects();
     d["live_tensors"] = Session::get().liveTensors();
     return d;

@@ -10,6 +10,7 @@
 
 #include "rgpu/client/Diagnostics.h"
 #include "rgpu/client/LazyTensor.h"
+#include "rgpu/client/Replay.h"
 #include "rgpu/client/Transport.h"
 #include "rgpu/ir/Symbolic.h"
 #include "rgpu/net/Frame.h"
@@ -32,7 +33,7 @@ namespace rgpu::client {
 struct Stats {
   std::atomic<uint64_t> messages{0}, waits{0}, bytesOut{0}, bytesIn{0}, graphsShipped{0},
       graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0}, graphsForgotten{0},
-      graphsGeneralized{0}, symbolicRuns{0};
+      graphsGeneralized{0}, symbolicRuns{0}, cutsReplayed{0};
 };
 
 /// How errors reach the user; the Python glue replaces the default (std::runtime_error) so that
@@ -170,7 +171,12 @@ public:
   }
   /// Whether graphs that differ only in sizes run as one symbolic graph (RGPU_DYNAMIC, on by
   /// default; see rgpu/ir/Symbolic.h).
-  void setDynamic(bool on) { dynamic_ = on; }
+  /// Every replayed cut is also resolved in full, and a difference raises (for tests).
+  void setCheckReplays(bool on) { checkReplays_ = on; }
+  void setDynamic(bool on) {
+    dynamic_ = on;
+    replays_.clear(); // they may run graphs as symbolic ones
+  }
   /// Warn when one sync site has cut more than this many graphs differing only in shapes.
   void setRecompileWarningThreshold(uint64_t n) { diagnostics_.setRecompileWarningThreshold(n); }
 
@@ -199,10 +205,29 @@ private:
   /// Builds the graph of \p nodes (in trace order) producing \p outputs.
   Traced buildGraph(llvm::ArrayRef<TraceNode *> nodes,
                     llvm::ArrayRef<std::pair<TraceNode *, uint32_t>> outputs);
+  /// How a cut runs: which graph, with what.
+  struct Resolved {
+    ir::Hash128 hash;
+    /// The graph a Define would send; null only if the server holds it.
+    std::shared_ptr<const ir::Graph> graph;
+    bool symbolic = false;
+    llvm::SmallVector<int64_t, 4> symbols; ///< Of a symbolic graph.
+    std::vector<uint64_t> handles;
+    std::vector<ir::ScalarValue> scalars;
+    uint32_t outputs = 0;
+    std::vector<uint32_t> locations; ///< Each canonical node's client location id.
+  };
   /// Canonicalises \p t and queues its Define (if the server lacks it) and its Run; returns the
-  /// first output handle.
+  /// first output handle. With \p key (the trace \p t was built from), records how it resolved
+  /// for later cuts of the same shape.
   uint64_t queueRun(Traced t, bool replyMetas, const char *reason,
-                    const std::string &executor = "");
+                    const std::string &executor = "", const TraceKey *key = nullptr);
+  Resolved resolve(Traced t, bool replyMetas, const TraceKey *key);
+  /// Resolves the cut of \p key (of \p nodes) as an earlier cut of its shape resolved, if it
+  /// can (see rgpu/client/Replay.h).
+  bool replay(const TraceKey &key, llvm::ArrayRef<TraceNode *> nodes, Resolved &out);
+  uint64_t queueResolved(Resolved r, bool replyMetas, const char *reason,
+                         const std::string &executor);
   void log(int level, const std::string &message);
   void queue(Command c);
   /// What an awaited frame brought back, in command order per kind.
@@ -249,7 +274,7 @@ private:
   uint64_t firstHandle_ = 1;
   /// Records that the server is to hold \p graph (hashed \p hash) for its next Run, queueing
   /// Forgets that make room if it does not hold it yet. True if its Define must be queued.
-  bool hold(const ir::Hash128 &hash, const ir::Graph &graph);
+  bool hold(const ir::Hash128 &hash, const ir::Graph *graph);
   /// Per graph hash, the location id of each node at its latest run: a remote error names the
   /// user's line as it is now, whatever line first defined the graph.
   std::map<ir::Hash128, std::vector<uint32_t>> nodeLocations_;
@@ -258,6 +283,8 @@ private:
   std::vector<ir::Hash128> runsInFrame_;
   bool dynamic_ = true;
   ir::ShapeFamilies families_;
+  ReplayCache replays_;
+  bool checkReplays_ = false;
   LogSink logSink_ = nullptr;
   bool logDebug_ = false;
   std::vector<std::string> locations_{std::string()};

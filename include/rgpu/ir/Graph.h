@@ -213,6 +213,8 @@ struct Canonical {
   llvm::SmallVector<uint32_t, 8> inputOrder;
   /// scalarOrder[k] is the caller's scalar slot that became canonical slot k.
   llvm::SmallVector<uint32_t, 8> scalarOrder;
+  /// nodeOrder[k] is the caller's node that became canonical node k.
+  std::vector<uint32_t> nodeOrder;
   Hash128 hash;
 };
 

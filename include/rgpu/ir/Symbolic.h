@@ -114,19 +114,24 @@ public:
   /// of a family then runs as a symbolic graph at once.
   bool fit(const Graph &concrete, const Hash128 &hash, Fit &out,
            llvm::ArrayRef<uint32_t> hinted = {});
-  static constexpr size_t kMaxGraphs = 4;   ///< Symbolic graphs per family.
-  static constexpr size_t kMaxObserved = 8; ///< Observations kept per family.
-
-private:
-  struct Symbolic {
+  /// The symbolic graphs of \p concrete's family, newest first: what fit tries, in its order.
+  struct Candidate {
     std::shared_ptr<const Graph> graph;
     Hash128 hash;
     std::vector<int64_t> positions;
   };
+  std::vector<Candidate> candidates(const Graph &concrete) const;
+  /// Counts the symbolic graphs made so far: until it changes, fit answers a graph as before
+  /// and tries the same candidates.
+  uint64_t generation() const { return generation_; }
+  static constexpr size_t kMaxGraphs = 4;   ///< Symbolic graphs per family.
+  static constexpr size_t kMaxObserved = 8; ///< Observations kept per family.
+
+private:
   struct Family {
     std::unique_ptr<Graph> first;
     std::vector<std::vector<int64_t>> observed;
-    std::vector<Symbolic> graphs;
+    std::vector<Candidate> graphs;
   };
   bool fitNew(const Graph &concrete, llvm::ArrayRef<uint32_t> hinted, Fit &out);
   bool adopt(Family &family, uint32_t count, std::vector<SymbolicInt> symbolic, Fit &out);
@@ -135,6 +140,7 @@ private:
   /// whenever a family gains a symbolic graph.
   llvm::DenseMap<std::pair<uint64_t, uint64_t>, Fit> memo_;
   static constexpr size_t kMaxMemo = 4096;
+  uint64_t generation_ = 0;
 };
 
 } // namespace rgpu::ir

@@ -96,9 +96,11 @@ public:
   bool sendAll(const std::string &data);
   /// Receives one frame, waiting at most \p timeoutMs (negative: forever).
   Status receive(FrameDecoder &decoder, Frame &out, int timeoutMs);
-
 private:
   int fd_ = -1;
+  /// How long receive() polls without sleeping before it blocks: RGPU_SPIN_US, else 1000.
+  int spinMicros_ = defaultSpin();
+  static int defaultSpin();
 };
 
 /// Splits "host:port"; false if malformed.
