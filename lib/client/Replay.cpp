@@ -1,43 +1,15 @@
 #include "rgpu/client/Replay.h"
+#include "rgpu/ir/Bytes.h"
 
 #include <llvm/ADT/DenseMap.h>
 
-#include <algorithm>
-#include <cstring>
-
 namespace rgpu::client {
-
-namespace {
-/// Appends raw bytes to a string, growing it geometrically: one inline branch per value
-/// (std::string::append is an out-of-line call per value, most of a cut's replay cost).
-class ShapeWriter {
-public:
-  explicit ShapeWriter(std::string &out) : out_(out) {}
-  /// Trims the string to what was written.
-  void finish() { out_.resize(used_); }
-  template <class T> void put(T v) { write(&v, sizeof v); }
-  void str(const std::string &s) {
-    put(uint64_t(s.size()));
-    write(s.data(), s.size());
-  }
-
-private:
-  void write(const void *p, size_t n) {
-    if (used_ + n > out_.size())
-      out_.resize(std::max(2 * out_.size(), used_ + n + 256));
-    std::memcpy(&out_[used_], p, n);
-    used_ += n;
-  }
-  std::string &out_;
-  size_t used_ = 0;
-};
-} // namespace
 
 TraceKey readTrace(llvm::ArrayRef<TraceNode *> nodes,
                    llvm::ArrayRef<std::pair<TraceNode *, uint32_t>> outputs) {
   TraceKey key;
   key.positions.reserve(nodes.size() * 8);
-  ShapeWriter w(key.shape);
+  ir::ByteWriter w(key.shape);
   llvm::DenseMap<const TraceNode *, uint32_t> index;
   llvm::DenseMap<const DeviceData *, uint32_t> inputIds;
   index.reserve(nodes.size());

@@ -300,7 +300,6 @@ Session::Resolved Session::resolve(Traced t, bool replyMetas, const TraceKey *ke
   for (const ir::Node &node : c.graph.nodes)
     r.locations.push_back(t.clientLocs[node.loc]);
 
-  std::vector<int64_t> concrete = ir::positions(c.graph);
   if (key && !replyMetas && key->positions == ir::positions(t.graph)) {
     // Later cuts of this trace shape skip building, canonicalizing and fitting their graph.
     // Where the canonical graph takes each position from: canonicalize a copy of the trace's
@@ -315,7 +314,7 @@ Session::Resolved Session::resolve(Traced t, bool replyMetas, const TraceKey *ke
     replay.scalarOrder.assign(c.scalarOrder.begin(), c.scalarOrder.end());
     replay.nodeOrder = c.nodeOrder;
     replay.outputs = r.outputs;
-    replay.positions = concrete;
+    replay.positions = ir::positions(c.graph);
     replay.hash = c.hash;
     if (r.graph) {
       replay.fit = fit;

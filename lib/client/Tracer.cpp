@@ -12,6 +12,7 @@
 #include "rgpu/client/LazyTensor.h"
 #include "rgpu/client/Session.h"
 #include "rgpu/bridge/Bridge.h"
+#include "rgpu/ir/Bytes.h"
 
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
@@ -26,7 +27,6 @@
 #include <llvm/ADT/DenseMap.h>
 #include <llvm/ADT/StringSet.h>
 
-#include <cstring>
 #include <unordered_map>
 
 namespace rgpu::client {
@@ -222,14 +222,8 @@ public:
 private:
   std::string cacheKey() const {
     std::string key;
-    size_t used = 0;
-    // Appends in place (std::string::append is an out-of-line call per value).
-    auto put = [&](const void *p, size_t n) {
-      if (used + n > key.size())
-        key.resize(std::max(2 * key.size(), used + n + 128));
-      std::memcpy(&key[used], p, n);
-      used += n;
-    };
+    ir::ByteWriter writer(key);
+    auto put = [&](const void *p, size_t n) { writer.write(p, n); };
     auto putMeta = [&](const ir::TensorMeta &m) {
       put(&m.dtype, 1);
       uint32_t rank = m.sizes.size();
@@ -263,7 +257,7 @@ private:
         put(&v.imag, 8);
       }
     }
-    key.resize(used);
+    writer.finish();
     return key;
   }
 

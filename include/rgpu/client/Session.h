@@ -169,10 +169,10 @@ public:
     logSink_ = sink;
     logDebug_ = debug;
   }
-  /// Whether graphs that differ only in sizes run as one symbolic graph (RGPU_DYNAMIC, on by
-  /// default; see rgpu/ir/Symbolic.h).
   /// Every replayed cut is also resolved in full, and a difference raises (for tests).
   void setCheckReplays(bool on) { checkReplays_ = on; }
+  /// Whether graphs that differ only in sizes run as one symbolic graph (RGPU_DYNAMIC, on by
+  /// default; see rgpu/ir/Symbolic.h).
   void setDynamic(bool on) {
     dynamic_ = on;
     replays_.clear(); // they may run graphs as symbolic ones

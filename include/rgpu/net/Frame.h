@@ -96,6 +96,7 @@ public:
   bool sendAll(const std::string &data);
   /// Receives one frame, waiting at most \p timeoutMs (negative: forever).
   Status receive(FrameDecoder &decoder, Frame &out, int timeoutMs);
+
 private:
   int fd_ = -1;
   /// How long receive() polls without sleeping before it blocks: RGPU_SPIN_US, else 1000.
