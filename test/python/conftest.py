@@ -96,6 +96,16 @@ def fresh_server():
     s.stop()
 
 
+def wait_for_log(server, text, timeout=60):
+    """Waits until the server's log, read by another thread, has a line containing `text`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(text in line for line in server.log):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not in the server log:\n" + "".join(server.log))
+
+
 def run_client(address, code, env=None, timeout=120):
     """Runs `code` in a new Python process (its own rgpu session) against `address`."""
     full_env = dict(os.environ, RGPU_OPSERVER=address, **(env or {}))

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, Server, run_client
+from conftest import REPO, Server, run_client, wait_for_log
 
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inductor_client.py")
 
@@ -20,15 +20,6 @@ def run(server, workload):
     r = run_client(server.address, code, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr + "".join(server.log)
     return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def wait_for_log(server, text, timeout=60):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if any(text in line for line in server.log):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{text!r} not in the server log:\n" + "".join(server.log))
 
 
 @pytest.fixture(scope="module")
