@@ -30,8 +30,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "examples"))
 
-WORKLOADS = ["mlp", "cnn", "gpt", "infer", "gen"]
-GEN_TOKENS = 16  # tokens per step of the gen workload
+WORKLOADS = ["mlp", "cnn", "gpt", "infer", "gen", "gen-new"]
+GEN_TOKENS = 16  # tokens per step of the gen workloads
 LINK_MBIT = 100.0
 
 
@@ -109,13 +109,19 @@ def make_workload(name, device, system):
                 out.cpu()
         return step
 
-    if name == "gen":
+    if name in ("gen", "gen-new"):
         from generation import GPT2Style, generate
 
-        model = GPT2Style().to(device).eval()
-        prompt = torch.randint(0, model.vocab, (1, 8), generator=torch.Generator().manual_seed(0))
+        # gen-new: each step's prompt is GEN_TOKENS + 1 tokens longer than the last, so every
+        # token has lengths no earlier step had (as in a conversation that keeps growing).
+        model = GPT2Style(context=1024).to(device).eval()
+        grow = GEN_TOKENS + 1 if name == "gen-new" else 0
+        tokens = torch.randint(0, model.vocab, (1, 1024 - GEN_TOKENS),
+                               generator=torch.Generator().manual_seed(0))
+        steps = iter(range(1000))  # warm-up steps count too: no length comes back
 
         def step(i):
+            prompt = tokens[:, :8 + grow * next(steps)]
             with torch.no_grad():
                 generate(model, prompt.to(device), GEN_TOKENS, cache="dynamic").cpu()
         return step
@@ -192,7 +198,7 @@ def child(args):
         step(i)
         times.append((time.perf_counter() - start) * 1e3)
     out = {"step_ms": statistics.median(times)}
-    if args.workload == "gen":
+    if args.workload.startswith("gen"):
         out["token_ms"] = out["step_ms"] / GEN_TOKENS
     if rgpu:
         after = rgpu.stats()
@@ -293,9 +299,10 @@ def plan_runs(quick):
     runs = []
     for w in WORKLOADS:
         runs.append((w, "cpu-eager", 0))
-        if w != "gen":  # LTC's masked_fill fails on it ("Input tensor is not a lazy tensor")
+        gen = w.startswith("gen")
+        if not gen:  # LTC's masked_fill fails on it ("Input tensor is not a lazy tensor")
             runs.append((w, "ltc", 0))
-        if not quick and w != "gen" or w in ("mlp", "gpt"):
+        if not quick and not gen or w in ("mlp", "gpt"):
             runs.append((w, "cpu-compile", 0))
         for rtt in ((0, 20, 50) if not quick else (0, 20)):
             runs += [(w, "rgpu-plan", rtt), (w, "rgpu-inductor", rtt)]
@@ -325,12 +332,13 @@ def table(results):
             f"{fmt(r['step_ms'] / ltc[w] if w in ltc else None, '6.2f')} "
             f"{fmt(r.get('waits_per_step'), '5.1f')} {fmt(r.get('messages_per_step'), '5.1f')} "
             f"{fmt(r.get('bytes_up_per_step'), '7.0f')} {fmt(r.get('compiles'), '8d')}")
-    gen = [r for r in results["runs"] if r["workload"] == "gen" and "token_ms" in r]
-    if gen:
-        lines.append("")
-        lines.append(f"gen, ms per token ({GEN_TOKENS} a step): " + ", ".join(
-            f"{r['system']}{'@' + str(r['rtt_ms']) + 'ms' if r['rtt_ms'] else ''} "
-            f"{r['token_ms']:.2f}" for r in gen))
+    for w in ("gen", "gen-new"):
+        gen = [r for r in results["runs"] if r["workload"] == w and "token_ms" in r]
+        if gen:
+            lines.append("")
+            lines.append(f"{w}, ms per token ({GEN_TOKENS} a step): " + ", ".join(
+                f"{r['system']}{'@' + str(r['rtt_ms']) + 'ms' if r['rtt_ms'] else ''} "
+                f"{r['token_ms']:.2f}" for r in gen))
     t = results.get("trace_us_per_op", {})
     if t:
         lines.append("")

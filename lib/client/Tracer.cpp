@@ -10,6 +10,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "rgpu/client/LazyTensor.h"
+#include "rgpu/client/MetaKernels.h"
 #include "rgpu/client/Session.h"
 #include "rgpu/bridge/Bridge.h"
 #include "rgpu/ir/Bytes.h"
@@ -292,7 +293,64 @@ private:
         // e.g. view() on strides it cannot view: the copy's own layout is right then.
       }
     }
-    op_.callBoxed(meta_);
+    if (!cppMetaCall())
+      op_.callBoxed(meta_);
+  }
+
+  /// Runs the op with ATen's C++ meta kernel where one is bound (MetaKernels.h). Its errors are
+  /// CPU eager's own: they propagate.
+  bool cppMetaCall() {
+    if (!checkCppMetas())
+      return callCppMeta(op_, meta_);
+    torch::jit::Stack slow = meta_;
+    if (!callCppMeta(op_, meta_))
+      return false;
+    std::string diff;
+    try {
+      op_.callBoxed(slow);
+      diff = compareOutputs(meta_, slow);
+    } catch (const std::exception &e) {
+      diff = std::string("the dispatcher's raised: ") + e.what();
+      diff = diff.substr(0, diff.find('\n'));
+    }
+    if (!diff.empty())
+      noteCppMetaDisagreement(fullName(op_) + ": " + diff);
+    return true;
+  }
+
+  /// Where two stacks of op outputs differ in sizes, strides, dtype or math bits; empty if
+  /// nowhere.
+  static std::string compareOutputs(const torch::jit::Stack &a, const torch::jit::Stack &b) {
+    auto flat = [](const torch::jit::Stack &s) {
+      std::vector<at::Tensor> out;
+      for (const c10::IValue &v : s) {
+        if (v.isTensor())
+          out.push_back(v.toTensor());
+        else if (v.isTensorList())
+          for (const at::Tensor &t : v.toTensorList())
+            out.push_back(t);
+      }
+      return out;
+    };
+    std::vector<at::Tensor> x = flat(a), y = flat(b);
+    if (x.size() != y.size())
+      return std::to_string(x.size()) + " outputs against " + std::to_string(y.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (x[i].defined() != y[i].defined())
+        return "output " + std::to_string(i) + " is defined in one only";
+      if (!x[i].defined())
+        continue;
+      auto describe = [](const at::Tensor &t) {
+        std::ostringstream os;
+        os << t.scalar_type() << t.sizes() << " strides " << t.strides() << " bits "
+           << int(mathBits(t));
+        return os.str();
+      };
+      std::string dx = describe(x[i]), dy = describe(y[i]);
+      if (dx != dy)
+        return "output " + std::to_string(i) + ": " + dx + " against " + dy;
+    }
+    return "";
   }
 
   void addArg(const c10::IValue &v, const c10::Argument &sa) {

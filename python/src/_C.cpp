@@ -4,6 +4,7 @@
 // Everything else is in lib/client.
 //
 //===----------------------------------------------------------------------===//
+#include "rgpu/client/MetaKernels.h"
 #include "rgpu/client/Session.h"
 
 #include <torch/csrc/Exceptions.h>
@@ -132,6 +133,17 @@ PYBIND11_MODULE(_C, m) {
     Session &session = Session::get();
     Session::Lock lock(session);
     session.setCheckReplays(on);
+  });
+  m.def("_check_cpp_metas", [](bool on) {
+    Session &session = Session::get();
+    Session::Lock lock(session);
+    rgpu::client::setCheckCppMetas(on);
+  });
+  m.def("_cpp_meta_ops", &rgpu::client::cppMetaOps);
+  m.def("_cpp_meta_disagreements", [] {
+    Session &session = Session::get();
+    Session::Lock lock(session);
+    return rgpu::client::takeCppMetaDisagreements();
   });
   m.def("set_dynamic", [](bool on) {
     Session &session = Session::get();

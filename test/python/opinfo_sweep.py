@@ -1,10 +1,13 @@
 """Runs PyTorch's OpInfo database on rgpu and on CPU and compares.
 
     python test/python/opinfo_sweep.py [--dtype float32|bfloat16|float16|complex64] [--grad]
-                                       [--limit-samples N] [--ops name,name]
+                                       [--limit-samples N] [--ops name,name] [--check-metas]
 
 With --grad the gradients of the samples' inputs are compared too (the sum of every
-differentiable output, backpropagated on each side).
+differentiable output, backpropagated on each side). With --check-metas every op the tracer
+gives to ATen's C++ meta kernels is also run by the dispatcher (torch's Python meta kernels);
+where the two disagree, the sample's outputs must have CPU's strides too, and the disagreement
+is printed (DISAGREE lines).
 
 Prints one line per failing op with the first error, then the pass rate. Needs an
 rgpu-opserver (RGPU_OPSERVER, default 127.0.0.1:9720).
@@ -76,8 +79,17 @@ def input_grads(out, args):
     return torch.autograd.grad(loss, leaves, allow_unused=True)
 
 
-def sweep(limit_samples=4, only=None, dtype=torch.float32, grad=False):
+def same_strides(actual, expected):
+    """Asserts that every tensor of `actual` has the strides of its CPU counterpart."""
+    for a, e in zip(tree_flatten(actual)[0], tree_flatten(expected)[0]):
+        if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor) and e.numel() > 1:
+            assert a.stride() == e.stride(), \
+                f"meta kernels disagree and rgpu's strides {a.stride()} are not CPU's {e.stride()}"
+
+
+def sweep(limit_samples=4, only=None, dtype=torch.float32, grad=False, check_metas=False):
     results = collections.OrderedDict()
+    disagreements = set()
     for op in op_db:
         if only and op.name not in only:
             continue
@@ -99,6 +111,8 @@ def sweep(limit_samples=4, only=None, dtype=torch.float32, grad=False):
                 expected_grads = input_grads(expected, (s.input, s.args, s.kwargs)) if grad else []
             except Exception:
                 continue
+            if check_metas:
+                rgpu._C._cpp_meta_disagreements()  # of earlier samples
             try:
                 inputs = (tree_map(to_rgpu, s.input), tree_map(to_rgpu, s.args), tree_map(to_rgpu, s.kwargs))
                 actual = op(inputs[0], *inputs[1], **inputs[2])
@@ -108,6 +122,11 @@ def sweep(limit_samples=4, only=None, dtype=torch.float32, grad=False):
                     promised = op(tree_map(to_meta, s.input), *tree_map(to_meta, s.args),
                                   **tree_map(to_meta, s.kwargs))
                     compare(actual, expected, dtype, promised)
+                if check_metas:
+                    noted = rgpu._C._cpp_meta_disagreements()
+                    if noted:
+                        disagreements.update(noted)
+                        same_strides(actual, expected)
                 if grad:
                     grads = input_grads(actual, inputs)
                     assert len(grads) == len(expected_grads), "a different number of gradients"
@@ -121,6 +140,8 @@ def sweep(limit_samples=4, only=None, dtype=torch.float32, grad=False):
                     raise
                 break
         results[key] = failure
+    for d in sorted(disagreements):
+        print("DISAGREE", d)
     return results
 
 
@@ -130,9 +151,12 @@ def main():
     p.add_argument("--ops", default="")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "complex64"])
     p.add_argument("--grad", action="store_true", help="compare input gradients too")
+    p.add_argument("--check-metas", action="store_true",
+                   help="check the tracer's C++ meta kernels against the dispatcher's")
     args = p.parse_args()
+    rgpu._C._check_cpp_metas(args.check_metas)
     results = sweep(args.limit_samples, set(filter(None, args.ops.split(","))),
-                    getattr(torch, args.dtype), args.grad)
+                    getattr(torch, args.dtype), args.grad, args.check_metas)
     failed = {k: v for k, v in results.items() if v}
     for k, v in failed.items():
         print(f"FAIL {k}: {v}")

@@ -1,4 +1,6 @@
-"""The OpInfo sweeps as tests: rgpu must keep at least the pass rates recorded in docs/opinfo.md."""
+"""The OpInfo sweeps as tests: rgpu must keep at least the pass rates recorded in docs/opinfo.md.
+They run with the tracer's C++ meta kernels checked against torch's dispatcher (--check-metas):
+where the two disagree, rgpu's results must have CPU's strides."""
 
 import os
 import re
@@ -18,7 +20,7 @@ MIN_PASS_RATE = float(os.environ.get("RGPU_OPINFO_MIN_RATE", "97.5"))
 def test_opinfo_pass_rate(server, sweep):
     script = os.path.join(os.path.dirname(__file__), "opinfo_sweep.py")
     r = subprocess.run(
-        [sys.executable, script, "--limit-samples", "2", *sweep],
+        [sys.executable, script, "--limit-samples", "2", "--check-metas", *sweep],
         env=dict(os.environ, RGPU_OPSERVER=server.address),
         capture_output=True,
         text=True,
@@ -28,3 +30,4 @@ def test_opinfo_pass_rate(server, sweep):
     m = re.search(r"opinfo \(.*\): (\d+)/(\d+) ops pass \(([\d.]+)%\)", r.stdout)
     assert m, r.stdout[-2000:] + r.stderr[-2000:]
     assert float(m.group(3)) >= MIN_PASS_RATE, r.stdout[-4000:]
+    assert "rgpu's strides" not in r.stdout, r.stdout[-4000:]

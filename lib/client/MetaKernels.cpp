@@ -1,0 +1,369 @@
+//===- lib/client/MetaKernels.cpp - ATen's C++ meta kernels, by op -------===//
+//
+// The table binds aten overloads to `at::meta::` functions, the C++ meta kernels of
+// structured ops. Each binding's C++ signature is checked against the op's schema when the
+// table is built, as torch checks a kernel it registers; a mismatch leaves the op to the
+// dispatcher. A few composite ops common in models (`masked_fill`, `arange`, `_unsafe_view`)
+// are written as CPU's composite kernels write them, over C++ meta kernels.
+//
+//===----------------------------------------------------------------------===//
+#include "rgpu/client/MetaKernels.h"
+
+#include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
+#include <ATen/core/op_registration/infer_schema.h>
+#include <ATen/ops/_log_softmax_backward_data_meta_dispatch.h>
+#include <ATen/ops/_log_softmax_meta_dispatch.h>
+#include <ATen/ops/_softmax_backward_data_meta_dispatch.h>
+#include <ATen/ops/_softmax_meta_dispatch.h>
+#include <ATen/ops/add_meta_dispatch.h>
+#include <ATen/ops/addcdiv_meta_dispatch.h>
+#include <ATen/ops/addcmul_meta_dispatch.h>
+#include <ATen/ops/addmm_meta_dispatch.h>
+#include <ATen/ops/all_meta_dispatch.h>
+#include <ATen/ops/amax_meta_dispatch.h>
+#include <ATen/ops/amin_meta_dispatch.h>
+#include <ATen/ops/any_meta_dispatch.h>
+#include <ATen/ops/arange_meta_dispatch.h>
+#include <ATen/ops/argmax_meta_dispatch.h>
+#include <ATen/ops/argmin_meta_dispatch.h>
+#include <ATen/ops/atan2_meta_dispatch.h>
+#include <ATen/ops/baddbmm_meta_dispatch.h>
+#include <ATen/ops/bitwise_and_meta_dispatch.h>
+#include <ATen/ops/bitwise_not_meta_dispatch.h>
+#include <ATen/ops/bitwise_or_meta_dispatch.h>
+#include <ATen/ops/bitwise_xor_meta_dispatch.h>
+#include <ATen/ops/bmm_meta_dispatch.h>
+#include <ATen/ops/cat_meta_dispatch.h>
+#include <ATen/ops/ceil_meta_dispatch.h>
+#include <ATen/ops/clamp_max_meta_dispatch.h>
+#include <ATen/ops/clamp_meta_dispatch.h>
+#include <ATen/ops/clamp_min_meta_dispatch.h>
+#include <ATen/ops/cos_meta_dispatch.h>
+#include <ATen/ops/cumsum_meta_dispatch.h>
+#include <ATen/ops/div_meta_dispatch.h>
+#include <ATen/ops/eq_meta_dispatch.h>
+#include <ATen/ops/erf_meta_dispatch.h>
+#include <ATen/ops/exp_meta_dispatch.h>
+#include <ATen/ops/expm1_meta_dispatch.h>
+#include <ATen/ops/floor_meta_dispatch.h>
+#include <ATen/ops/fmod_meta_dispatch.h>
+#include <ATen/ops/gather_meta_dispatch.h>
+#include <ATen/ops/ge_meta_dispatch.h>
+#include <ATen/ops/gelu_backward_meta_dispatch.h>
+#include <ATen/ops/gelu_meta_dispatch.h>
+#include <ATen/ops/gt_meta_dispatch.h>
+#include <ATen/ops/hardsigmoid_meta_dispatch.h>
+#include <ATen/ops/le_meta_dispatch.h>
+#include <ATen/ops/leaky_relu_meta_dispatch.h>
+#include <ATen/ops/lerp_meta_dispatch.h>
+#include <ATen/ops/log1p_meta_dispatch.h>
+#include <ATen/ops/log2_meta_dispatch.h>
+#include <ATen/ops/log_meta_dispatch.h>
+#include <ATen/ops/lt_meta_dispatch.h>
+#include <ATen/ops/max_meta_dispatch.h>
+#include <ATen/ops/maximum_meta_dispatch.h>
+#include <ATen/ops/mean_meta_dispatch.h>
+#include <ATen/ops/min_meta_dispatch.h>
+#include <ATen/ops/minimum_meta_dispatch.h>
+#include <ATen/ops/mm_meta_dispatch.h>
+#include <ATen/ops/mse_loss_meta_dispatch.h>
+#include <ATen/ops/mul_meta_dispatch.h>
+#include <ATen/ops/ne_meta_dispatch.h>
+#include <ATen/ops/neg_meta_dispatch.h>
+#include <ATen/ops/nll_loss_backward_meta_dispatch.h>
+#include <ATen/ops/nll_loss_forward_meta_dispatch.h>
+#include <ATen/ops/pow_meta_dispatch.h>
+#include <ATen/ops/reciprocal_meta_dispatch.h>
+#include <ATen/ops/remainder_meta_dispatch.h>
+#include <ATen/ops/round_meta_dispatch.h>
+#include <ATen/ops/rsqrt_meta_dispatch.h>
+#include <ATen/ops/sigmoid_backward_meta_dispatch.h>
+#include <ATen/ops/sigmoid_meta_dispatch.h>
+#include <ATen/ops/sign_meta_dispatch.h>
+#include <ATen/ops/silu_backward_meta_dispatch.h>
+#include <ATen/ops/silu_meta_dispatch.h>
+#include <ATen/ops/sin_meta_dispatch.h>
+#include <ATen/ops/sqrt_meta_dispatch.h>
+#include <ATen/ops/sub_meta_dispatch.h>
+#include <ATen/ops/sum_meta_dispatch.h>
+#include <ATen/ops/tanh_backward_meta_dispatch.h>
+#include <ATen/ops/tanh_meta_dispatch.h>
+#include <ATen/ops/threshold_backward_meta_dispatch.h>
+#include <ATen/ops/topk_meta_dispatch.h>
+#include <ATen/ops/tril_meta_dispatch.h>
+#include <ATen/ops/triu_meta_dispatch.h>
+#include <ATen/ops/trunc_meta_dispatch.h>
+
+#include <algorithm>
+#include <unordered_map>
+#include <utility>
+
+namespace rgpu::client {
+namespace {
+
+using T = at::Tensor;
+using CT = const at::Tensor &;
+using CS = const at::Scalar &;
+using OptCT = const std::optional<at::Tensor> &;
+using OptDtype = std::optional<at::ScalarType>;
+
+// The signatures of the bound functions, named by shape.
+using Unary = T(CT);
+using Binary = T(CT, CT);
+using BinaryAlpha = T(CT, CT, CS);
+using WithScalar = T(CT, CS);
+using ScalarFirst = T(CS, CT);
+using WithString = T(CT, c10::string_view);
+using BinaryString = T(CT, CT, c10::string_view);
+using BinaryOptString = T(CT, CT, std::optional<c10::string_view>);
+using WithInt = T(CT, int64_t);
+using Ternary = T(CT, CT, CT);
+using TernaryScalar = T(CT, CT, CT, CS);
+using TernaryTwoScalars = T(CT, CT, CT, CS, CS);
+using Lerp = T(CT, CT, CS);
+using ClampScalars = T(CT, const std::optional<at::Scalar> &, const std::optional<at::Scalar> &);
+using ClampTensors = T(CT, OptCT, OptCT);
+using DimsReduce = T(CT, at::OptionalIntArrayRef, bool, OptDtype);
+using DimsNoDtype = T(CT, at::OptionalIntArrayRef, bool);
+using ArrayReduce = T(CT, at::IntArrayRef, bool);
+using OptDimReduce = T(CT, std::optional<int64_t>, bool);
+using DimReduce = T(CT, int64_t, bool);
+using DimPair = std::tuple<T, T>(CT, int64_t, bool);
+using Cumulative = T(CT, int64_t, OptDtype);
+using Cat = T(const at::ITensorListRef &, int64_t);
+using Softmax = T(CT, int64_t, bool);
+using SoftmaxBackward = T(CT, CT, int64_t, at::ScalarType);
+using Gather = T(CT, int64_t, CT, bool);
+using NllForward = std::tuple<T, T>(CT, CT, OptCT, int64_t, int64_t);
+using NllBackward = T(CT, CT, CT, OptCT, int64_t, int64_t, CT);
+using Loss = T(CT, CT, int64_t);
+using TopK = std::tuple<T, T>(CT, int64_t, int64_t, bool, bool);
+
+/// `masked_fill` as CPU's composite kernel computes it: `self` broadcast with `mask`, cloned
+/// contiguous; the checks are those of CPU's in-place kernel.
+T maskedFill(CT self, CT mask, const std::optional<at::Tensor> &valueTensor) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool,
+              "masked_fill_ only supports boolean masks, but got mask with dtype ",
+              mask.scalar_type());
+  TORCH_CHECK(!valueTensor || valueTensor->dim() == 0,
+              "masked_fill_ only supports a 0-dimensional value tensor, but got tensor with ",
+              valueTensor ? valueTensor->dim() : 0, " dimension(s).");
+  c10::MaybeOwned<T> expandedMask, expandedSelf;
+  std::tie(expandedMask, expandedSelf) = at::expand_outplace(mask, self);
+  return at::empty(expandedSelf->sizes(), expandedSelf->options());
+}
+T maskedFillScalar(CT self, CT mask, CS) { return maskedFill(self, mask, std::nullopt); }
+T maskedFillTensor(CT self, CT mask, CT value) { return maskedFill(self, mask, value); }
+
+/// `arange` as CPU's composite kernel computes it: integral inputs and no dtype give int64.
+T arange(CS start, CS end, CS step, OptDtype dtype, std::optional<at::Layout> layout,
+         std::optional<at::Device> device, std::optional<bool> pinMemory) {
+  auto options = at::TensorOptions().dtype(dtype).layout(layout).device(device).pinned_memory(
+      pinMemory);
+  if (!dtype && start.isIntegral(true) && end.isIntegral(true) && step.isIntegral(true))
+    options = options.dtype(at::kLong);
+  T result = at::empty({0}, options);
+  at::meta::arange_out(result, start, end, step);
+  return result;
+}
+T arangeEnd(CS end, OptDtype dtype, std::optional<at::Layout> layout,
+            std::optional<at::Device> device, std::optional<bool> pinMemory) {
+  return arange(0, end, 1, dtype, layout, device, pinMemory);
+}
+T arangeStart(CS start, CS end, OptDtype dtype, std::optional<at::Layout> layout,
+              std::optional<at::Device> device, std::optional<bool> pinMemory) {
+  return arange(start, end, 1, dtype, layout, device, pinMemory);
+}
+
+/// `_unsafe_view`: CPU's kernel is `view`'s, whose result it does not mark as an alias.
+T unsafeView(CT self, c10::SymIntArrayRef size) { return at::_ops::view::call(self, size); }
+
+class Table {
+public:
+  Table();
+
+  const c10::KernelFunction *find(const c10::OperatorName &name) const {
+    auto it = kernels_.find(name);
+    return it == kernels_.end() ? nullptr : &it->second;
+  }
+
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto &[name, kernel] : kernels_)
+      out.push_back(c10::toString(name));
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+private:
+  /// Binds `aten::name.overload` to \p Fn if the op exists and \p Fn's signature is its
+  /// schema's.
+  template <class Sig, Sig *Fn> void bind(const char *name, const char *overload) {
+    auto op = c10::Dispatcher::singleton().findSchema({std::string("aten::") + name, overload});
+    if (!op)
+      return;
+    if (c10::findSchemaDifferences(c10::inferFunctionSchemaFlattenedReturns<Sig>(),
+                                   op->schema()))
+      return;
+    kernels_.emplace(op->operator_name(),
+                     c10::KernelFunction::makeFromUnboxedFunction(
+                         c10::CompileTimeFunctionPointer<Sig, Fn>()));
+  }
+
+  std::unordered_map<c10::OperatorName, c10::KernelFunction> kernels_;
+};
+
+#define RGPU_META(sig, fn, overload) bind<sig, &at::meta::fn>(#fn, overload)
+#define RGPU_UNARY(fn) RGPU_META(Unary, fn, "")
+
+Table::Table() {
+  RGPU_UNARY(neg);
+  RGPU_UNARY(exp);
+  RGPU_UNARY(expm1);
+  RGPU_UNARY(log);
+  RGPU_UNARY(log1p);
+  RGPU_UNARY(log2);
+  RGPU_UNARY(sqrt);
+  RGPU_UNARY(rsqrt);
+  RGPU_UNARY(sin);
+  RGPU_UNARY(cos);
+  RGPU_UNARY(tanh);
+  RGPU_UNARY(sigmoid);
+  RGPU_UNARY(erf);
+  RGPU_UNARY(floor);
+  RGPU_UNARY(ceil);
+  RGPU_UNARY(round);
+  RGPU_UNARY(trunc);
+  RGPU_UNARY(reciprocal);
+  RGPU_UNARY(sign);
+  RGPU_UNARY(silu);
+  RGPU_UNARY(hardsigmoid);
+  RGPU_UNARY(bitwise_not);
+  RGPU_META(WithString, gelu, "");
+  RGPU_META(WithScalar, leaky_relu, "");
+
+  RGPU_META(BinaryAlpha, add, "Tensor");
+  RGPU_META(BinaryAlpha, sub, "Tensor");
+  RGPU_META(Binary, mul, "Tensor");
+  RGPU_META(Binary, div, "Tensor");
+  RGPU_META(BinaryOptString, div, "Tensor_mode");
+  RGPU_META(Binary, pow, "Tensor_Tensor");
+  RGPU_META(WithScalar, pow, "Tensor_Scalar");
+  RGPU_META(ScalarFirst, pow, "Scalar");
+  RGPU_META(Binary, maximum, "");
+  RGPU_META(Binary, minimum, "");
+  RGPU_META(Binary, remainder, "Tensor");
+  RGPU_META(Binary, fmod, "Tensor");
+  RGPU_META(Binary, atan2, "");
+  RGPU_META(Binary, bitwise_and, "Tensor");
+  RGPU_META(Binary, bitwise_or, "Tensor");
+  RGPU_META(Binary, bitwise_xor, "Tensor");
+  RGPU_META(Lerp, lerp, "Scalar");
+  RGPU_META(Ternary, lerp, "Tensor");
+  RGPU_META(TernaryScalar, addcmul, "");
+  RGPU_META(TernaryScalar, addcdiv, "");
+  RGPU_META(ClampScalars, clamp, "");
+  RGPU_META(ClampTensors, clamp, "Tensor");
+  RGPU_META(WithScalar, clamp_min, "");
+  RGPU_META(Binary, clamp_min, "Tensor");
+  RGPU_META(WithScalar, clamp_max, "");
+  RGPU_META(Binary, clamp_max, "Tensor");
+#define RGPU_COMPARISON(fn)                                                                        \
+  RGPU_META(Binary, fn, "Tensor");                                                                 \
+  RGPU_META(WithScalar, fn, "Scalar")
+  RGPU_COMPARISON(eq);
+  RGPU_COMPARISON(ne);
+  RGPU_COMPARISON(lt);
+  RGPU_COMPARISON(le);
+  RGPU_COMPARISON(gt);
+  RGPU_COMPARISON(ge);
+#undef RGPU_COMPARISON
+
+  RGPU_META(DimsReduce, sum, "dim_IntList");
+  RGPU_META(DimsReduce, mean, "dim");
+  RGPU_META(ArrayReduce, amax, "");
+  RGPU_META(ArrayReduce, amin, "");
+  RGPU_META(OptDimReduce, argmax, "");
+  RGPU_META(OptDimReduce, argmin, "");
+  RGPU_META(DimReduce, any, "dim");
+  RGPU_META(DimsNoDtype, any, "dims");
+  RGPU_META(Unary, any, "");
+  RGPU_META(DimReduce, all, "dim");
+  RGPU_META(DimsNoDtype, all, "dims");
+  RGPU_META(Unary, all, "");
+  RGPU_META(DimPair, max, "dim");
+  RGPU_META(DimPair, min, "dim");
+  RGPU_META(Cumulative, cumsum, "");
+  RGPU_META(TopK, topk, "");
+  RGPU_META(WithInt, tril, "");
+  RGPU_META(WithInt, triu, "");
+
+  RGPU_META(Cat, cat, "");
+  RGPU_META(Binary, mm, "");
+  RGPU_META(Binary, bmm, "");
+  RGPU_META(TernaryTwoScalars, addmm, "");
+  RGPU_META(TernaryTwoScalars, baddbmm, "");
+  RGPU_META(Softmax, _softmax, "");
+  RGPU_META(Softmax, _log_softmax, "");
+  RGPU_META(Gather, gather, "");
+
+  RGPU_META(SoftmaxBackward, _softmax_backward_data, "");
+  RGPU_META(SoftmaxBackward, _log_softmax_backward_data, "");
+  RGPU_META(BinaryString, gelu_backward, "");
+  RGPU_META(Binary, silu_backward, "");
+  RGPU_META(BinaryAlpha, threshold_backward, "");
+  RGPU_META(Binary, sigmoid_backward, "");
+  RGPU_META(Binary, tanh_backward, "");
+  RGPU_META(NllForward, nll_loss_forward, "");
+  RGPU_META(NllBackward, nll_loss_backward, "");
+  RGPU_META(Loss, mse_loss, "");
+
+  bind<T(CT, c10::SymIntArrayRef), &unsafeView>("_unsafe_view", "");
+  bind<T(CT, CT, CS), &maskedFillScalar>("masked_fill", "Scalar");
+  bind<T(CT, CT, CT), &maskedFillTensor>("masked_fill", "Tensor");
+  bind<T(CS, OptDtype, std::optional<at::Layout>, std::optional<at::Device>,
+         std::optional<bool>),
+       &arangeEnd>("arange", "");
+  bind<T(CS, CS, OptDtype, std::optional<at::Layout>, std::optional<at::Device>,
+         std::optional<bool>),
+       &arangeStart>("arange", "start");
+  bind<T(CS, CS, CS, OptDtype, std::optional<at::Layout>, std::optional<at::Device>,
+         std::optional<bool>),
+       &arange>("arange", "start_step");
+}
+
+#undef RGPU_UNARY
+#undef RGPU_META
+
+const Table &table() {
+  static const Table t;
+  return t;
+}
+
+bool checkingCppMetas = false; // the check mode's state, used under the session lock
+std::vector<std::string> disagreements;
+
+} // namespace
+
+bool callCppMeta(const c10::OperatorHandle &op, torch::jit::Stack &stack) {
+  const c10::KernelFunction *kernel = table().find(op.operator_name());
+  if (!kernel)
+    return false;
+  kernel->callBoxed(op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+  return true;
+}
+
+std::vector<std::string> cppMetaOps() { return table().names(); }
+
+void setCheckCppMetas(bool on) { checkingCppMetas = on; }
+bool checkCppMetas() { return checkingCppMetas; }
+
+void noteCppMetaDisagreement(std::string what) {
+  if (disagreements.size() < 1000)
+    disagreements.push_back(std::move(what));
+}
+
+std::vector<std::string> takeCppMetaDisagreements() { return std::exchange(disagreements, {}); }
+
+} // namespace rgpu::client
