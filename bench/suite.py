@@ -2,10 +2,14 @@
 
     python bench/suite.py [--quick] [--out bench/results]
 
-Every (workload, system, rtt) runs in a fresh process, one after another, against real
-rgpu-opserver processes on loopback (through bench/relay.py for rtt_ms > 0). step_ms is the
-median over the timed steps after warm-up. Results: OUT/latest.json, OUT/latest.png, and a
-table on stdout. Absolute times on a shared machine are noise; compare ratios within one run.
+Every (workload, system, rtt) runs in a process of its own, against real rgpu-opserver
+processes on loopback (through bench/relay.py for rtt_ms > 0). A workload's processes are
+started and warmed up one after another, then timed in interleaved rounds (6, or 3 with
+--quick), each round in a rotated order, so that the machine's slow spells fall on every system
+alike. Before a round, a process waits until its server has no compile pending; a round that a
+compile overlapped anyway is counted. step_ms is the median of all timed steps, with p10/p90;
+`noise` in the JSON is the spread of cpu-eager's round medians, the machine's own. Results:
+OUT/latest.json, OUT/latest.png, and a table on stdout. Compare ratios within one run.
 
 Systems:
   cpu-eager       local eager PyTorch on CPU
@@ -155,7 +159,9 @@ def trace_cost(device, ops=3000):
 
 
 def child(args):
-    """Runs one (workload, system) in this process; prints one JSON line."""
+    """Serves one (workload, system) in this process, warmed up: prints {"ready": ...}, then
+    answers each line of stdin, `run N` (N timed steps) or `stats` (the counters of every timed
+    step so far), with one JSON line."""
     import torch
 
     system = args.system
@@ -173,53 +179,72 @@ def child(args):
         return
 
     def settle():
-        # Compiles run in the background: wait for them, so that the timed steps run compiled
-        # code and no compile competes with the timed steps for the CPU.
-        deadline = time.time() + 900
+        """Waits for the server's background compiles (so that timed steps run compiled code and
+        no compile competes with them for the CPU); returns the seconds waited."""
+        start, deadline = time.time(), time.time() + 900
         while rgpu.server_stats()["compiles_pending"] and time.time() < deadline:
             time.sleep(0.5)
+        return time.time() - start
 
     step = make_workload(args.workload, device, system)
     start_server = rgpu.server_stats() if rgpu else None
     for i in range(args.warmup):
         step(i)
+    warm_wait = 0.0
     if system == "rgpu-inductor":
         for _ in range(5):  # until warm-up steps queue no more compiles
-            settle()
+            warm_wait += settle()
             for i in range(2):
                 step(i)
             if not rgpu.server_stats()["compiles_pending"]:
                 break
-    server_before = rgpu.server_stats() if rgpu else None
-    before = rgpu.stats() if rgpu else None
-    times = []
-    for i in range(args.steps):
-        start = time.perf_counter()
-        step(i)
-        times.append((time.perf_counter() - start) * 1e3)
-    out = {"step_ms": statistics.median(times)}
-    if args.workload.startswith("gen"):
-        out["token_ms"] = out["step_ms"] / GEN_TOKENS
-    if rgpu:
-        after = rgpu.stats()
-        d = {k: (after[k] - before[k]) / args.steps for k in after}
-        server = rgpu.server_stats()
-        out.update(waits_per_step=d["waits"], messages_per_step=d["messages"],
-                   bytes_up_per_step=d["bytes_out"], bytes_down_per_step=d["bytes_in"],
-                   compiles=server["inductor_compiles"] - start_server["inductor_compiles"],
-                   cache_loads=server["disk_cache_hits"] - start_server["disk_cache_hits"],
-                   compiled_runs_per_step=(server["session"]["compiled_runs"]
-                                           - server_before["session"]["compiled_runs"]) / args.steps,
-                   graph_runs_per_step=d["graph_runs"],
-                   server_execute_ms_per_step=(server["session"]["execute_ms"]
-                                               - server_before["session"]["execute_ms"]) / args.steps)
-        if system == "rgpu-inductor":
-            settle()
-    elif system == "cpu-compile":
-        from torch._dynamo.utils import counters
+    print(json.dumps({"ready": True, "compile_wait_s": round(warm_wait, 2)}), flush=True)
 
-        out["compiles"] = counters["stats"]["unique_graphs"]
-    print(json.dumps(out))
+    # Counters of the timed steps only: the stats calls between rounds are left out.
+    keys = ("waits", "messages", "bytes_out", "bytes_in", "graph_runs")
+    totals = dict.fromkeys(keys + ("compiled_runs", "execute_ms"), 0.0)
+    timed = 0
+    for line in sys.stdin:
+        words = line.split()
+        if words[0] == "run":
+            waited = settle() if rgpu else 0.0
+            server_before = rgpu.server_stats() if rgpu else None
+            before = rgpu.stats() if rgpu else None
+            times = []
+            for _ in range(int(words[1])):
+                start = time.perf_counter()
+                step(timed)
+                times.append((time.perf_counter() - start) * 1e3)
+                timed += 1
+            overlapped = False
+            if rgpu:
+                after = rgpu.stats()
+                server = rgpu.server_stats()
+                for k in keys:
+                    totals[k] += after[k] - before[k]
+                for k in ("compiled_runs", "execute_ms"):
+                    totals[k] += server["session"][k] - server_before["session"][k]
+                overlapped = server["compiles_pending"] > 0 or \
+                    server["inductor_compiles"] != server_before["inductor_compiles"]
+            print(json.dumps({"times": times, "compile_wait_s": round(waited, 2),
+                              "overlapped": overlapped}), flush=True)
+        elif words[0] == "stats":
+            out = {}
+            if rgpu and timed:
+                d = {k: v / timed for k, v in totals.items()}
+                server = rgpu.server_stats()
+                out.update(waits_per_step=d["waits"], messages_per_step=d["messages"],
+                           bytes_up_per_step=d["bytes_out"], bytes_down_per_step=d["bytes_in"],
+                           graph_runs_per_step=d["graph_runs"],
+                           compiled_runs_per_step=d["compiled_runs"],
+                           server_execute_ms_per_step=d["execute_ms"],
+                           compiles=server["inductor_compiles"] - start_server["inductor_compiles"],
+                           cache_loads=server["disk_cache_hits"] - start_server["disk_cache_hits"])
+            elif system == "cpu-compile":
+                from torch._dynamo.utils import counters
+
+                out["compiles"] = counters["stats"]["unique_graphs"]
+            print(json.dumps(out), flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,20 +281,110 @@ def opserver():
     return os.path.join(os.path.dirname(sys.executable), "rgpu-opserver")
 
 
-def run_child(workload, system, address, warmup, steps, timeout):
-    env = dict(os.environ)
-    if address:
-        env["RGPU_OPSERVER"] = address
+class Child:
+    """A `--child` process serving one (workload, system, rtt): started and warmed up, then asked
+    for timed rounds. Its stderr goes to a file, so that it never blocks on a full pipe."""
+
+    def __init__(self, workload, system, rtt, address, warmup, timeout):
+        import tempfile
+
+        self.workload, self.system, self.rtt, self.timeout = workload, system, rtt, timeout
+        env = dict(os.environ)
+        if address:
+            env["RGPU_OPSERVER"] = address
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--workload", workload,
+               "--system", system, "--warmup", str(warmup)]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True)
+        self.error = None
+        self.ready = self.read()
+
+    def read(self):
+        import select
+
+        if self.error:
+            return {"error": self.error}
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.stop()
+            self.stderr.seek(0)
+            tail = self.stderr.read().strip().splitlines()[-3:]
+            self.error = (" | ".join(tail) if line == "" and ready
+                          else f"no answer within {self.timeout} s")
+            return {"error": self.error}
+        return json.loads(line)
+
+    def ask(self, command):
+        if self.error:
+            return {"error": self.error}
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def run_once(workload, system, address, timeout):
+    """A child that measures and exits (the trace-cost runs)."""
+    env = dict(os.environ, **({"RGPU_OPSERVER": address} if address else {}))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--workload", workload,
-           "--system", system, "--warmup", str(warmup), "--steps", str(steps)]
+           "--system", system]
     try:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
     if r.returncode != 0:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-        return {"error": " | ".join(tail)}
+        return {"error": " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])}
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def measure(workload, runs, addresses, warmup, steps, rounds):
+    """Measures every (system, rtt) of `workload` in `rounds` interleaved rounds of steps/rounds
+    timed steps each, every round in a rotated order, so that the machine's slow spells fall on
+    every system alike. Returns one result per (system, rtt)."""
+    children = []
+    for system, rtt in runs:
+        print(f"  {workload:7} {system:14} rtt {rtt:>2} ms: warming up", flush=True)
+        children.append(Child(workload, system, rtt, addresses.get((system, rtt)), warmup, 1200))
+    per_round = max(1, steps // rounds)
+    times = {id(c): [] for c in children}
+    round_ms = {id(c): [] for c in children}
+    waits = {id(c): [c.ready.get("compile_wait_s", 0.0)] for c in children}
+    overlapped = {id(c): 0 for c in children}
+    for r in range(rounds):
+        shift = r % len(children)
+        for c in children[shift:] + children[:shift]:
+            out = c.ask(f"run {per_round}")
+            if "times" in out:
+                times[id(c)] += out["times"]
+                round_ms[id(c)].append(statistics.median(out["times"]))
+                waits[id(c)].append(out["compile_wait_s"])
+                overlapped[id(c)] += out["overlapped"]
+    results = []
+    for c in children:
+        t = sorted(times[id(c)])
+        r = {"workload": workload, "system": c.system, "rtt_ms": c.rtt}
+        if c.error:
+            r["error"] = c.error
+        else:
+            median = statistics.median(t)
+            r.update(step_ms=median, p10_ms=t[len(t) // 10], p90_ms=t[(len(t) * 9) // 10],
+                     round_ms=round_ms[id(c)], compile_wait_s=round(sum(waits[id(c)]), 1),
+                     rounds_overlapping_a_compile=overlapped[id(c)])
+            if workload.startswith("gen"):
+                r["token_ms"] = median / GEN_TOKENS
+            r.update(c.ask("stats"))
+        c.stop()
+        print(f"  {workload:7} {c.system:14} rtt {c.rtt:>2} ms: "
+              + (f"{r['step_ms']:.2f} ms (p10-p90 {r['p10_ms']:.2f}-{r['p90_ms']:.2f})"
+                 if "step_ms" in r else r["error"]), flush=True)
+        results.append(r)
+    return results
 
 
 def micro_benchmarks(build, server_address, quick):
@@ -309,14 +424,25 @@ def plan_runs(quick):
     return runs
 
 
+def noise(runs):
+    """How noisy the run was, per workload: the spread of cpu-eager's round medians, (max - min)
+    / median. Local eager does the same work every round, so its spread is the machine's."""
+    out = {}
+    for r in runs:
+        if r["system"] == "cpu-eager" and r.get("round_ms"):
+            m = r["round_ms"]
+            out[r["workload"]] = round((max(m) - min(m)) / statistics.median(m), 3)
+    return out
+
+
 def table(results):
     lines = []
     base = {(r["workload"]): r["step_ms"] for r in results["runs"]
             if r["system"] == "cpu-eager" and "step_ms" in r}
     ltc = {(r["workload"]): r["step_ms"] for r in results["runs"]
            if r["system"] == "ltc" and "step_ms" in r}
-    head = (f"{'workload':8} {'system':14} {'rtt':>4} {'step ms':>8} {'/eager':>7} {'/ltc':>6} "
-            f"{'waits':>5} {'msgs':>5} {'B up':>7} {'compiles':>8}")
+    head = (f"{'workload':8} {'system':14} {'rtt':>4} {'step ms':>8} {'p10-p90':>13} {'/eager':>7} "
+            f"{'/ltc':>6} {'waits':>5} {'msgs':>5} {'B up':>7} {'compiles':>8}")
     lines.append(head)
     lines.append("-" * len(head))
     for r in results["runs"]:
@@ -328,6 +454,7 @@ def table(results):
         fmt = lambda v, f: (format(v, f) if v is not None else "-")  # noqa: E731
         lines.append(
             f"{w:8} {r['system']:14} {r['rtt_ms']:>4} {r['step_ms']:8.2f} "
+            f"{r['p10_ms']:6.2f}-{r['p90_ms']:<6.2f} "
             f"{fmt(r['step_ms'] / base[w] if w in base else None, '7.2f')} "
             f"{fmt(r['step_ms'] / ltc[w] if w in ltc else None, '6.2f')} "
             f"{fmt(r.get('waits_per_step'), '5.1f')} {fmt(r.get('messages_per_step'), '5.1f')} "
@@ -339,6 +466,14 @@ def table(results):
             lines.append(f"{w}, ms per token ({GEN_TOKENS} a step): " + ", ".join(
                 f"{r['system']}{'@' + str(r['rtt_ms']) + 'ms' if r['rtt_ms'] else ''} "
                 f"{r['token_ms']:.2f}" for r in gen))
+    if results.get("noise"):
+        lines.append("")
+        lines.append("noise, (max - min) / median of cpu-eager's round medians: " + ", ".join(
+            f"{w} {v:.0%}" for w, v in results["noise"].items()))
+    overlapping = [f"{r['workload']}/{r['system']}@{r['rtt_ms']}" for r in results["runs"]
+                   if r.get("rounds_overlapping_a_compile")]
+    if overlapping:
+        lines.append("rounds that overlapped a server compile: " + ", ".join(overlapping))
     t = results.get("trace_us_per_op", {})
     if t:
         lines.append("")
@@ -404,7 +539,6 @@ def main():
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=10, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
@@ -412,7 +546,7 @@ def main():
     import torch
 
     os.makedirs(args.out, exist_ok=True)
-    warmup, steps = (3, 10) if args.quick else (5, 30)
+    warmup, steps, rounds = (3, 12, 3) if args.quick else (5, 30, 6)
     cache = os.path.join(args.out, "server-cache")
     started = time.time()
     servers = {
@@ -433,23 +567,24 @@ def main():
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "torch": torch.__version__,
-        "settings": {"warmup_steps": warmup, "timed_steps": steps, "quick": args.quick,
+        "settings": {"warmup_steps": warmup, "timed_steps": steps, "rounds": rounds,
+                     "quick": args.quick,
                      "link_mbit": LINK_MBIT, "relay": "bench/relay.py, delay rtt/2 each way"},
         "runs": [],
     }
+    addresses = {}
+    for _, system, rtt in runs:
+        if system.startswith("rgpu"):
+            addresses[(system, rtt)] = relays[(system, rtt)].address if rtt \
+                else servers[system].address
     try:
-        for workload, system, rtt in runs:
-            address = None
-            if system.startswith("rgpu"):
-                address = relays[(system, rtt)].address if rtt else servers[system].address
-            print(f"  {workload:6} {system:14} rtt {rtt:>2} ms ...", end=" ", flush=True)
-            r = run_child(workload, system, address, warmup, steps, timeout=1200)
-            r.update(workload=workload, system=system, rtt_ms=rtt)
-            print(f"{r['step_ms']:.2f} ms" if "step_ms" in r else r["error"], flush=True)
-            results["runs"].append(r)
+        for workload in WORKLOADS:
+            mine = [(system, rtt) for w, system, rtt in runs if w == workload]
+            results["runs"] += measure(workload, mine, addresses, warmup, steps, rounds)
+        results["noise"] = noise(results["runs"])
         trace = {}
         for system in ("rgpu-plan", "ltc", "cpu-eager"):
-            r = run_child("trace", system, servers["rgpu-plan"].address, 0, 0, timeout=300)
+            r = run_once("trace", system, servers["rgpu-plan"].address, timeout=300)
             if "trace_us_per_op" in r:
                 trace["rgpu" if system == "rgpu-plan" else system] = r["trace_us_per_op"]
         results["trace_us_per_op"] = trace
