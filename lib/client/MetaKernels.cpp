@@ -107,11 +107,14 @@ using CT = const at::Tensor &;
 using CS = const at::Scalar &;
 using OptCT = const std::optional<at::Tensor> &;
 using OptDtype = std::optional<at::ScalarType>;
+using OptLayout = std::optional<at::Layout>;
+using OptDevice = std::optional<at::Device>;
+using OptBool = std::optional<bool>;
 
 // The signatures of the bound functions, named by shape.
 using Unary = T(CT);
 using Binary = T(CT, CT);
-using BinaryAlpha = T(CT, CT, CS);
+using BinaryScalar = T(CT, CT, CS);
 using WithScalar = T(CT, CS);
 using ScalarFirst = T(CS, CT);
 using WithString = T(CT, c10::string_view);
@@ -121,7 +124,6 @@ using WithInt = T(CT, int64_t);
 using Ternary = T(CT, CT, CT);
 using TernaryScalar = T(CT, CT, CT, CS);
 using TernaryTwoScalars = T(CT, CT, CT, CS, CS);
-using Lerp = T(CT, CT, CS);
 using ClampScalars = T(CT, const std::optional<at::Scalar> &, const std::optional<at::Scalar> &);
 using ClampTensors = T(CT, OptCT, OptCT);
 using DimsReduce = T(CT, at::OptionalIntArrayRef, bool, OptDtype);
@@ -157,8 +159,8 @@ T maskedFillScalar(CT self, CT mask, CS) { return maskedFill(self, mask, std::nu
 T maskedFillTensor(CT self, CT mask, CT value) { return maskedFill(self, mask, value); }
 
 /// `arange` as CPU's composite kernel computes it: integral inputs and no dtype give int64.
-T arange(CS start, CS end, CS step, OptDtype dtype, std::optional<at::Layout> layout,
-         std::optional<at::Device> device, std::optional<bool> pinMemory) {
+T arange(CS start, CS end, CS step, OptDtype dtype, OptLayout layout, OptDevice device,
+         OptBool pinMemory) {
   auto options = at::TensorOptions().dtype(dtype).layout(layout).device(device).pinned_memory(
       pinMemory);
   if (!dtype && start.isIntegral(true) && end.isIntegral(true) && step.isIntegral(true))
@@ -167,12 +169,11 @@ T arange(CS start, CS end, CS step, OptDtype dtype, std::optional<at::Layout> la
   at::meta::arange_out(result, start, end, step);
   return result;
 }
-T arangeEnd(CS end, OptDtype dtype, std::optional<at::Layout> layout,
-            std::optional<at::Device> device, std::optional<bool> pinMemory) {
+T arangeEnd(CS end, OptDtype dtype, OptLayout layout, OptDevice device, OptBool pinMemory) {
   return arange(0, end, 1, dtype, layout, device, pinMemory);
 }
-T arangeStart(CS start, CS end, OptDtype dtype, std::optional<at::Layout> layout,
-              std::optional<at::Device> device, std::optional<bool> pinMemory) {
+T arangeStart(CS start, CS end, OptDtype dtype, OptLayout layout, OptDevice device,
+              OptBool pinMemory) {
   return arange(start, end, 1, dtype, layout, device, pinMemory);
 }
 
@@ -243,8 +244,8 @@ Table::Table() {
   RGPU_META(WithString, gelu, "");
   RGPU_META(WithScalar, leaky_relu, "");
 
-  RGPU_META(BinaryAlpha, add, "Tensor");
-  RGPU_META(BinaryAlpha, sub, "Tensor");
+  RGPU_META(BinaryScalar, add, "Tensor");
+  RGPU_META(BinaryScalar, sub, "Tensor");
   RGPU_META(Binary, mul, "Tensor");
   RGPU_META(Binary, div, "Tensor");
   RGPU_META(BinaryOptString, div, "Tensor_mode");
@@ -259,7 +260,7 @@ Table::Table() {
   RGPU_META(Binary, bitwise_and, "Tensor");
   RGPU_META(Binary, bitwise_or, "Tensor");
   RGPU_META(Binary, bitwise_xor, "Tensor");
-  RGPU_META(Lerp, lerp, "Scalar");
+  RGPU_META(BinaryScalar, lerp, "Scalar");
   RGPU_META(Ternary, lerp, "Tensor");
   RGPU_META(TernaryScalar, addcmul, "");
   RGPU_META(TernaryScalar, addcdiv, "");
@@ -312,7 +313,7 @@ Table::Table() {
   RGPU_META(SoftmaxBackward, _log_softmax_backward_data, "");
   RGPU_META(BinaryString, gelu_backward, "");
   RGPU_META(Binary, silu_backward, "");
-  RGPU_META(BinaryAlpha, threshold_backward, "");
+  RGPU_META(BinaryScalar, threshold_backward, "");
   RGPU_META(Binary, sigmoid_backward, "");
   RGPU_META(Binary, tanh_backward, "");
   RGPU_META(NllForward, nll_loss_forward, "");
@@ -322,15 +323,9 @@ Table::Table() {
   bind<T(CT, c10::SymIntArrayRef), &unsafeView>("_unsafe_view", "");
   bind<T(CT, CT, CS), &maskedFillScalar>("masked_fill", "Scalar");
   bind<T(CT, CT, CT), &maskedFillTensor>("masked_fill", "Tensor");
-  bind<T(CS, OptDtype, std::optional<at::Layout>, std::optional<at::Device>,
-         std::optional<bool>),
-       &arangeEnd>("arange", "");
-  bind<T(CS, CS, OptDtype, std::optional<at::Layout>, std::optional<at::Device>,
-         std::optional<bool>),
-       &arangeStart>("arange", "start");
-  bind<T(CS, CS, CS, OptDtype, std::optional<at::Layout>, std::optional<at::Device>,
-         std::optional<bool>),
-       &arange>("arange", "start_step");
+  bind<T(CS, OptDtype, OptLayout, OptDevice, OptBool), &arangeEnd>("arange", "");
+  bind<T(CS, CS, OptDtype, OptLayout, OptDevice, OptBool), &arangeStart>("arange", "start");
+  bind<T(CS, CS, CS, OptDtype, OptLayout, OptDevice, OptBool), &arange>("arange", "start_step");
 }
 
 #undef RGPU_UNARY
