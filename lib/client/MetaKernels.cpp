@@ -3,8 +3,9 @@
 // The table binds aten overloads to `at::meta::` functions, the C++ meta kernels of
 // structured ops. Each binding's C++ signature is checked against the op's schema when the
 // table is built, as torch checks a kernel it registers; a mismatch leaves the op to the
-// dispatcher. A few composite ops common in models (`masked_fill`, `arange`, `_unsafe_view`)
-// are written as CPU's composite kernels write them, over C++ meta kernels.
+// dispatcher. A few ops common in models are written out: `masked_fill`, `arange` and
+// `_unsafe_view` as CPU's composite kernels compute them, `native_layer_norm` as torch's meta
+// kernel promises it.
 //
 //===----------------------------------------------------------------------===//
 #include "rgpu/client/MetaKernels.h"
@@ -12,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/core/op_registration/infer_schema.h>
+#include <ATen/native/layer_norm.h>
 #include <ATen/ops/_log_softmax_backward_data_meta_dispatch.h>
 #include <ATen/ops/_log_softmax_meta_dispatch.h>
 #include <ATen/ops/_softmax_backward_data_meta_dispatch.h>
@@ -177,6 +179,24 @@ T arangeStart(CS start, CS end, OptDtype dtype, OptLayout layout, OptDevice devi
   return arange(start, end, 1, dtype, layout, device, pinMemory);
 }
 
+/// `native_layer_norm` with CPU's checks, and the outputs torch's meta kernel promises (CUDA
+/// computes them so): the result in the input's dtype, contiguous; mean and rstd shaped
+/// [*batch, 1, ..., 1] in the computation dtype, float32 for half and bf16 inputs (CPU's kernel
+/// keeps those in the input's dtype; the server returns what the meta kernel promised).
+std::tuple<T, T, T> nativeLayerNorm(CT input, c10::SymIntArrayRef normalizedShape, OptCT weight,
+                                    OptCT bias, double) {
+  at::IntArrayRef shape = C10_AS_INTARRAYREF_SLOW(normalizedShape);
+  at::native::_check_layer_norm_inputs(input, shape, weight ? *weight : T(), bias ? *bias : T());
+  TORCH_CHECK(!input.is_complex(), "native_layer_norm does not support complex inputs");
+  std::vector<int64_t> stats(input.sizes().begin(), input.sizes().end());
+  std::fill(stats.end() - shape.size(), stats.end(), 1);
+  auto statsOptions = input.options();
+  if (at::isReducedFloatingType(input.scalar_type()))
+    statsOptions = statsOptions.dtype(at::kFloat);
+  return {at::empty(input.sizes(), input.options()), at::empty(stats, statsOptions),
+          at::empty(stats, statsOptions)};
+}
+
 /// `_unsafe_view`: CPU's kernel is `view`'s, whose result it does not mark as an alias.
 T unsafeView(CT self, c10::SymIntArrayRef size) { return at::_ops::view::call(self, size); }
 
@@ -321,6 +341,8 @@ Table::Table() {
   RGPU_META(Loss, mse_loss, "");
 
   bind<T(CT, c10::SymIntArrayRef), &unsafeView>("_unsafe_view", "");
+  bind<std::tuple<T, T, T>(CT, c10::SymIntArrayRef, OptCT, OptCT, double), &nativeLayerNorm>(
+      "native_layer_norm", "");
   bind<T(CT, CT, CS), &maskedFillScalar>("masked_fill", "Scalar");
   bind<T(CT, CT, CT), &maskedFillTensor>("masked_fill", "Tensor");
   bind<T(CS, OptDtype, OptLayout, OptDevice, OptBool), &arangeEnd>("arange", "");

@@ -18,7 +18,8 @@ def test_the_ops_models_use_are_bound():
     bound = set(_C._cpp_meta_ops())
     for op in ("add.Tensor", "mul.Tensor", "div.Tensor", "le.Tensor", "eq.Scalar", "cat",
                "bmm", "addmm", "mean.dim", "sum.dim_IntList", "_softmax", "gelu", "silu", "rsqrt",
-               "masked_fill.Scalar", "arange.start", "_unsafe_view", "nll_loss_forward"):
+               "masked_fill.Scalar", "arange.start", "_unsafe_view", "nll_loss_forward",
+               "native_layer_norm"):
         assert "aten::" + op in bound, op
     assert len(bound) >= 100
 
@@ -213,6 +214,24 @@ def test_arange():
         torch.arange(0, 5, 0, device=R)
 
 
+def test_layer_norm():
+    w, b = randn(5, seed=1), randn(5, seed=2)
+    agree(lambda x, w, b: F.layer_norm(x, (5,), w, b), randn(3, 4, 5), w, b)
+    agree(lambda x: F.layer_norm(x, (4, 5)), randn(5, 4, 3).transpose(0, 2))  # not contiguous
+    agree(lambda x, w, b: F.layer_norm(x, (5,), w, b),
+          randn(5, 2, 5, dtype=torch.bfloat16).transpose(0, 1), w, b)  # bf16 with float32 affine
+    agree(lambda x: F.layer_norm(x, (5,)), randn(0, 5))
+    # The statistics: what the meta kernel promises (float32 for bf16), CPU's values.
+    x = randn(3, 5, dtype=torch.bfloat16)
+    _, mean, rstd = torch.native_layer_norm(x.to(R), [5], None, None, 1e-5)
+    _, cpu_mean, cpu_rstd = torch.native_layer_norm(x, [5], None, None, 1e-5)
+    assert (mean.dtype, mean.shape, rstd.shape) == (torch.float32, (3, 1), (3, 1))
+    torch.testing.assert_close(mean.cpu(), cpu_mean.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(rstd.cpu(), cpu_rstd.float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(RuntimeError, match="Given normalized_shape"):
+        F.layer_norm(randn(3, 4).to(R), (5,))
+
+
 def test_losses_and_backward_ops_through_autograd():
     torch.manual_seed(0)
     x = randn(6, 7)
@@ -223,6 +242,7 @@ def test_losses_and_backward_ops_through_autograd():
         xs = x.to(dev).requires_grad_()
         ws = w.to(dev).requires_grad_()
         h = xs @ ws
+        h = F.layer_norm(h, (7,))
         loss = F.cross_entropy(F.gelu(h) + torch.tanh(h) + torch.sigmoid(h) + F.silu(h) +
                                F.relu(h), target.to(dev))
         loss = loss + F.mse_loss(h.softmax(-1), torch.zeros(6, 7, device=dev))
