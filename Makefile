@@ -73,7 +73,7 @@ test: test-cpp test-python test-fuzz
 run: build
 	$(PY) examples/train.py
 
-# `make bench QUICK=1`: the reduced suite (a few minutes). Results in bench/results/.
+# `make bench QUICK=1`: the reduced suite (fewer steps, rounds and relays). Results in bench/results/.
 bench: build
 	$(PY) -m pip install -q matplotlib
 	$(PY) bench/suite.py --build $(BUILD) $(if $(QUICK),--quick)

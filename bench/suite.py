@@ -531,7 +531,7 @@ def plot(results, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps and runs (< 5 min)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, rounds and relays")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--build", default=os.path.join(REPO, "build"),
                         help="the CMake build directory with the micro-benchmarks")
