@@ -298,20 +298,27 @@ class Child:
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr, text=True)
         self.error = None
-        self.ready = self.read()
+        self.times, self.round_ms, self.overlapped = [], [], 0  # of the timed rounds
+        self.compile_wait_s = self.read().get("compile_wait_s", 0.0)
+
+    def run_round(self, steps):
+        out = self.ask(f"run {steps}")
+        if "times" in out:
+            self.times += out["times"]
+            self.round_ms.append(statistics.median(out["times"]))
+            self.compile_wait_s += out["compile_wait_s"]
+            self.overlapped += out["overlapped"]
 
     def read(self):
         import select
 
-        if self.error:
-            return {"error": self.error}
         ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             self.stop()
             self.stderr.seek(0)
             tail = self.stderr.read().strip().splitlines()[-3:]
-            self.error = (" | ".join(tail) if line == "" and ready
+            self.error = ((" | ".join(tail) or "exited") if ready
                           else f"no answer within {self.timeout} s")
             return {"error": self.error}
         return json.loads(line)
@@ -319,8 +326,11 @@ class Child:
     def ask(self, command):
         if self.error:
             return {"error": self.error}
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it exited: read() says why
         return self.read()
 
     def stop(self):
@@ -352,30 +362,21 @@ def measure(workload, runs, addresses, warmup, steps, rounds):
         print(f"  {workload:7} {system:14} rtt {rtt:>2} ms: warming up", flush=True)
         children.append(Child(workload, system, rtt, addresses.get((system, rtt)), warmup, 1200))
     per_round = max(1, steps // rounds)
-    times = {id(c): [] for c in children}
-    round_ms = {id(c): [] for c in children}
-    waits = {id(c): [c.ready.get("compile_wait_s", 0.0)] for c in children}
-    overlapped = {id(c): 0 for c in children}
     for r in range(rounds):
         shift = r % len(children)
         for c in children[shift:] + children[:shift]:
-            out = c.ask(f"run {per_round}")
-            if "times" in out:
-                times[id(c)] += out["times"]
-                round_ms[id(c)].append(statistics.median(out["times"]))
-                waits[id(c)].append(out["compile_wait_s"])
-                overlapped[id(c)] += out["overlapped"]
+            c.run_round(per_round)
     results = []
     for c in children:
-        t = sorted(times[id(c)])
+        t = sorted(c.times)
         r = {"workload": workload, "system": c.system, "rtt_ms": c.rtt}
         if c.error:
             r["error"] = c.error
         else:
             median = statistics.median(t)
             r.update(step_ms=median, p10_ms=t[len(t) // 10], p90_ms=t[(len(t) * 9) // 10],
-                     round_ms=round_ms[id(c)], compile_wait_s=round(sum(waits[id(c)]), 1),
-                     rounds_overlapping_a_compile=overlapped[id(c)])
+                     round_ms=c.round_ms, compile_wait_s=round(c.compile_wait_s, 1),
+                     rounds_overlapping_a_compile=c.overlapped)
             if workload.startswith("gen"):
                 r["token_ms"] = median / GEN_TOKENS
             r.update(c.ask("stats"))

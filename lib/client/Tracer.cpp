@@ -175,7 +175,6 @@ public:
     std::string key = cacheKey();
     if (const OpMetas *hit = metaCache().find(key))
       return hit;
-    OpMetas outs;
     try {
       metaCall();
     } catch (const c10::NotImplementedError &) {
@@ -189,7 +188,16 @@ public:
         return nullptr;
       throw;
     }
-    for (const c10::IValue &r : meta_) {
+    return metaCache().insert(std::move(key), metasOf(meta_));
+  }
+
+  llvm::IntrusiveRefCntPtr<TraceNode> node() { return node_; }
+
+private:
+  /// The output metas of a meta call's \p results.
+  OpMetas metasOf(const torch::jit::Stack &results) const {
+    OpMetas outs;
+    for (const c10::IValue &r : results) {
       auto checkLayout = [&](const at::Tensor &t) {
         TORCH_CHECK_NOT_IMPLEMENTED(!t.defined() || t.layout() == at::kStrided, "rgpu: ",
                                     fullName(op_), " returns a ", t.layout(),
@@ -215,12 +223,9 @@ public:
                                     " returns a non-tensor value, which rgpu cannot trace");
       }
     }
-    return metaCache().insert(std::move(key), std::move(outs));
+    return outs;
   }
 
-  llvm::IntrusiveRefCntPtr<TraceNode> node() { return node_; }
-
-private:
   std::string cacheKey() const {
     std::string key;
     ir::ByteWriter writer(key);
@@ -318,38 +323,17 @@ private:
     return true;
   }
 
-  /// Where two stacks of op outputs differ in sizes, strides, dtype or math bits; empty if
+  /// Where the outputs of two meta calls differ in sizes, strides, dtype or math bits; empty if
   /// nowhere.
-  static std::string compareOutputs(const torch::jit::Stack &a, const torch::jit::Stack &b) {
-    auto flat = [](const torch::jit::Stack &s) {
-      std::vector<at::Tensor> out;
-      for (const c10::IValue &v : s) {
-        if (v.isTensor())
-          out.push_back(v.toTensor());
-        else if (v.isTensorList())
-          for (const at::Tensor &t : v.toTensorList())
-            out.push_back(t);
-      }
-      return out;
-    };
-    std::vector<at::Tensor> x = flat(a), y = flat(b);
-    if (x.size() != y.size())
-      return std::to_string(x.size()) + " outputs against " + std::to_string(y.size());
-    for (size_t i = 0; i < x.size(); ++i) {
-      if (x[i].defined() != y[i].defined())
-        return "output " + std::to_string(i) + " is defined in one only";
-      if (!x[i].defined())
-        continue;
-      auto describe = [](const at::Tensor &t) {
-        std::ostringstream os;
-        os << t.scalar_type() << t.sizes() << " strides " << t.strides() << " bits "
-           << int(mathBits(t));
-        return os.str();
-      };
-      std::string dx = describe(x[i]), dy = describe(y[i]);
-      if (dx != dy)
-        return "output " + std::to_string(i) + ": " + dx + " against " + dy;
-    }
+  std::string compareOutputs(const torch::jit::Stack &a, const torch::jit::Stack &b) const {
+    OpMetas x = metasOf(a), y = metasOf(b);
+    if (x.listSizes != y.listSizes)
+      return "the outputs differ in number";
+    for (size_t i = 0; i < x.outputs.size(); ++i)
+      if (x.outputs[i] != y.outputs[i] || x.bits[i] != y.bits[i])
+        return "output " + std::to_string(i) + ": " + x.outputs[i].str() + " bits " +
+               std::to_string(x.bits[i]) + " against " + y.outputs[i].str() + " bits " +
+               std::to_string(y.bits[i]);
     return "";
   }
 
