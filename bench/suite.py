@@ -34,13 +34,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "examples"))
 
-WORKLOADS = ["mlp", "cnn", "gpt", "infer", "gen", "gen-new"]
+WORKLOADS = ["mlp", "mlp-ready", "cnn", "gpt", "gpt-ready", "infer", "gen", "gen-new"]
 GEN_TOKENS = 16  # tokens per step of the gen workloads
 LINK_MBIT = 100.0
 
 
 # --------------------------------------------------------------------------------------------
 # Workloads: each returns step(i) -> None, which runs one step and syncs (.item() or .cpu()).
+# The -ready variants are the same training loops written the documented way for a remote
+# device: batches uploaded ahead (rgpu.prefetch) and the loss logged through rgpu.on_ready
+# instead of a .item() that waits; locally they are the plain loops.
 
 def make_workload(name, device, system):
     import torch
@@ -58,21 +61,44 @@ def make_workload(name, device, system):
         def mark():
             pass
 
+    ready = name.endswith("-ready") and device == "rgpu"
+    logged = []
+
+    def feed(batches):
+        """Batch i on the device: moved in the step, or uploaded ahead by rgpu.prefetch."""
+        if not ready:
+            return lambda i: tuple(t.to(device) for t in batches[i % len(batches)])
+        import itertools
+
+        import rgpu
+
+        ahead = rgpu.prefetch(itertools.cycle(batches), depth=2)
+        return lambda i: next(ahead)
+
+    def log(loss):
+        if ready:
+            import rgpu
+
+            rgpu.on_ready(lambda v: logged.append(v.item()), loss)
+        else:
+            logged.append(loss.item())
+
     def classifier(model, opt, batch, classes=10):
         fwd = wrap(model)
         batches = [(torch.randn(*batch), torch.randint(0, classes, batch[:1])) for _ in range(4)]
+        take = feed(batches)
 
         def step(i):
-            x, y = batches[i % len(batches)]
+            x, y = take(i)
             opt.zero_grad()
-            loss = nn.functional.cross_entropy(fwd(x.to(device)), y.to(device))
+            loss = nn.functional.cross_entropy(fwd(x), y)
             loss.backward()
             opt.step()
             mark()
-            loss.item()
+            log(loss)
         return step
 
-    if name == "mlp":
+    if name in ("mlp", "mlp-ready"):
         model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.LayerNorm(512),
                               nn.Linear(512, 512), nn.GELU(), nn.LayerNorm(512),
                               nn.Linear(512, 10)).to(device)
@@ -83,21 +109,21 @@ def make_workload(name, device, system):
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         return classifier(model, opt, (32, 1, 16, 16))
 
-    if name == "gpt":
+    if name in ("gpt", "gpt-ready"):
         model = TinyGPT().to(device)
         opt, sched = gpt_optimizer(model, steps=1000)
         fwd = wrap(model)
-        batches = [gpt_batch(s) for s in range(4)]
+        take = feed([gpt_batch(s) for s in range(4)])
 
         def step(i):
-            idx, tgt = batches[i % len(batches)]
+            idx, tgt = take(i)
             opt.zero_grad()
-            loss = fwd(idx.to(device), tgt.to(device))
+            loss = fwd(idx, tgt)
             loss.backward()
             opt.step()
             sched.step()
             mark()
-            loss.item()
+            log(loss)
         return step
 
     if name == "infer":
@@ -201,7 +227,7 @@ def child(args):
     print(json.dumps({"ready": True, "compile_wait_s": round(warm_wait, 2)}), flush=True)
 
     # Counters of the timed steps only: the stats calls between rounds are left out.
-    keys = ("waits", "messages", "bytes_out", "bytes_in", "graph_runs")
+    keys = ("waits", "throttled", "messages", "bytes_out", "bytes_in", "graph_runs")
     totals = dict.fromkeys(keys + ("compiled_runs", "execute_ms"), 0.0)
     timed = 0
     for line in sys.stdin:
@@ -233,7 +259,8 @@ def child(args):
             if rgpu and timed:
                 d = {k: v / timed for k, v in totals.items()}
                 server = rgpu.server_stats()
-                out.update(waits_per_step=d["waits"], messages_per_step=d["messages"],
+                out.update(waits_per_step=d["waits"], throttled_per_step=d["throttled"],
+                           messages_per_step=d["messages"],
                            bytes_up_per_step=d["bytes_out"], bytes_down_per_step=d["bytes_in"],
                            graph_runs_per_step=d["graph_runs"],
                            compiled_runs_per_step=d["compiled_runs"],
@@ -416,10 +443,14 @@ def plan_runs(quick):
     for w in WORKLOADS:
         runs.append((w, "cpu-eager", 0))
         gen = w.startswith("gen")
-        if not gen:  # LTC's masked_fill fails on it ("Input tensor is not a lazy tensor")
+        ready = w.endswith("-ready")  # only rgpu has a network to hide
+        if not gen and not ready:  # LTC's masked_fill fails on gen: "Input tensor is not a lazy tensor"
             runs.append((w, "ltc", 0))
-        if not quick and not gen or w in ("mlp", "gpt"):
+        if (not quick and not gen or w in ("mlp", "gpt")) and not ready:
             runs.append((w, "cpu-compile", 0))
+        if ready and quick:
+            runs += [(w, "rgpu-inductor", rtt) for rtt in (0, 20)]
+            continue
         for rtt in ((0, 20, 50) if not quick else (0, 20)):
             runs += [(w, "rgpu-plan", rtt), (w, "rgpu-inductor", rtt)]
     return runs
@@ -436,6 +467,18 @@ def noise(runs):
     return out
 
 
+def latency_ratios(runs):
+    """{(workload, system): {rtt: step_ms at rtt / step_ms at loopback}} for rgpu's runs."""
+    local = {(r["workload"], r["system"]): r["step_ms"] for r in runs
+             if r["rtt_ms"] == 0 and "step_ms" in r}
+    out = {}
+    for r in runs:
+        key = (r["workload"], r["system"])
+        if r["rtt_ms"] and "step_ms" in r and key in local:
+            out.setdefault(key, {})[r["rtt_ms"]] = r["step_ms"] / local[key]
+    return out
+
+
 def table(results):
     lines = []
     base = {(r["workload"]): r["step_ms"] for r in results["runs"]
@@ -443,7 +486,7 @@ def table(results):
     ltc = {(r["workload"]): r["step_ms"] for r in results["runs"]
            if r["system"] == "ltc" and "step_ms" in r}
     head = (f"{'workload':8} {'system':14} {'rtt':>4} {'step ms':>8} {'p10-p90':>13} {'/eager':>7} "
-            f"{'/ltc':>6} {'waits':>5} {'msgs':>5} {'B up':>7} {'compiles':>8}")
+            f"{'/ltc':>6} {'waits':>5} {'thrtl':>5} {'msgs':>5} {'B up':>7} {'compiles':>8}")
     lines.append(head)
     lines.append("-" * len(head))
     for r in results["runs"]:
@@ -458,8 +501,15 @@ def table(results):
             f"{r['p10_ms']:6.2f}-{r['p90_ms']:<6.2f} "
             f"{fmt(r['step_ms'] / base[w] if w in base else None, '7.2f')} "
             f"{fmt(r['step_ms'] / ltc[w] if w in ltc else None, '6.2f')} "
-            f"{fmt(r.get('waits_per_step'), '5.1f')} {fmt(r.get('messages_per_step'), '5.1f')} "
+            f"{fmt(r.get('waits_per_step'), '5.1f')} {fmt(r.get('throttled_per_step'), '5.1f')} "
+            f"{fmt(r.get('messages_per_step'), '5.1f')} "
             f"{fmt(r.get('bytes_up_per_step'), '7.0f')} {fmt(r.get('compiles'), '8d')}")
+    link = latency_ratios(results["runs"])
+    if link:
+        lines.append("")
+        lines.append("step time at a round trip of 20 / 50 ms over the same loop at loopback:")
+        lines += [f"  {w:9} {system:14} " + ", ".join(f"{rtt} ms {v:.2f}x" for rtt, v in by.items())
+                  for (w, system), by in link.items()]
     for w in ("gen", "gen-new"):
         gen = [r for r in results["runs"] if r["workload"] == w and "token_ms" in r]
         if gen:
@@ -498,7 +548,7 @@ def plot(results, path):
         label = r["system"] + (f"@{r['rtt_ms']}ms" if r["rtt_ms"] else "")
         if label not in labels:
             labels.append(label)
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
+    fig, axes = plt.subplots(1, 3, figsize=(21, 5.5))
     width = 0.8 / max(1, len(labels))
     for k, label in enumerate(labels):
         xs, ys = [], []
@@ -524,6 +574,19 @@ def plot(results, path):
     axes[1].set_yscale("log")
     axes[1].set_title("rgpu traffic per step (the earlier per-op design: ~7,000 msgs, 3.5 MB)")
     axes[1].legend(fontsize=8)
+    for w in ("mlp", "mlp-ready", "gpt", "gpt-ready"):
+        for system in ("rgpu-plan", "rgpu-inductor"):
+            pts = sorted((r["rtt_ms"], r["step_ms"]) for r in runs
+                         if r["workload"] == w and r["system"] == system)
+            if len(pts) > 1:
+                axes[2].plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                             linestyle="-" if w.endswith("-ready") else "--",
+                             label=f"{w} {system[5:]}")
+    axes[2].set_xlabel("round trip, ms (bench/relay.py, 100 Mbit/s)")
+    axes[2].set_ylabel("step time, ms (median)")
+    axes[2].set_title("Naive loops (.item() each step, dashed) and documented ones\n"
+                      "(rgpu.on_ready + rgpu.prefetch, solid)")
+    axes[2].legend(fontsize=7)
     fig.suptitle(f"rgpu benchmark, torch {results['torch']}, {results['machine']['cpus']} CPUs")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

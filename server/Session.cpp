@@ -298,12 +298,12 @@ FrameOutcome Session::serve(const net::Frame &frame) {
     outcome.seq = seq;
     if (greeted_ && seq != 0 && seq <= lastSeq_) {
       // Sent again after a resume, and executed before: never run twice.
-      if (wantReply && seq == lastReplySeq_ && lastReply_)
-        outcome.reply = *lastReply_;
+      for (const auto &[kept, bytes] : replies_)
+        if (wantReply && kept == seq)
+          outcome.reply = *bytes;
       return outcome;
     }
-    if (seq > lastReplySeq_)
-      lastReply_.reset(); // the client had the last reply: it sent a later frame
+    dropReplies(cf.getReceived());
     auto commands = cf.getCommands();
     if (commands.size() > ctx_.limits().maxCommands)
       fatal = "a frame of " + std::to_string(commands.size()) + " commands, more than the limit of " +
@@ -449,11 +449,32 @@ FrameOutcome Session::serve(const net::Frame &frame) {
                                               dataBytes < 4096);
   if (adopted_) {
     // The reply the client lost in the drop, if it did, follows the Hello's.
-    if (adopted_->lastReply_ && adopted_->lastReplySeq_ >= resumeFrom_)
-      outcome.reply += *adopted_->lastReply_;
+    for (const auto &[kept, bytes] : adopted_->replies_)
+      if (kept >= resumeFrom_)
+        outcome.reply += *bytes;
     outcome.adopted = std::move(adopted_);
   }
   return outcome;
+}
+
+void Session::keepReply(uint64_t seq, std::shared_ptr<const std::string> reply) {
+  constexpr size_t kKeptReplies = 256;
+  constexpr uint64_t kKeptReplyBytes = uint64_t(64) << 20;
+  replyBytes_ += reply->size();
+  replies_.emplace_back(seq, std::move(reply));
+  while (replies_.size() > 1 &&
+         (replies_.size() > kKeptReplies ||
+          replyBytes_ - replies_.back().second->size() > kKeptReplyBytes)) {
+    replyBytes_ -= replies_.front().second->size();
+    replies_.pop_front();
+  }
+}
+
+void Session::dropReplies(uint64_t seq) {
+  while (!replies_.empty() && replies_.front().first <= seq) {
+    replyBytes_ -= replies_.front().second->size();
+    replies_.pop_front();
+  }
 }
 
 void Session::fillHello(wire::HelloReply::Builder h, const std::string &serverMac) {

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <list>
 #include <map>
@@ -158,12 +159,11 @@ public:
   void detach();
   /// Resumed on a new connection.
   void attach(std::string peer, const std::atomic<bool> *cancelled);
-  /// Keeps the reply to frame \p seq until the client sends a later frame: a client that lost
-  /// it in a drop gets it again when it resumes.
-  void keepReply(uint64_t seq, std::shared_ptr<const std::string> reply) {
-    lastReplySeq_ = seq;
-    lastReply_ = std::move(reply);
-  }
+  /// Keeps the reply to frame \p seq until the client says it has it (ClientFrame.received):
+  /// a client that lost it in a drop gets it again when it resumes. At most kKeptReplies
+  /// replies and kKeptReplyBytes besides the newest are kept; a client that lost an older one
+  /// reads its values again.
+  void keepReply(uint64_t seq, std::shared_ptr<const std::string> reply);
 
 private:
   struct Partial; // an upload arriving in chunks
@@ -196,8 +196,11 @@ private:
   std::string id_;           ///< The client's session id; empty: not resumable.
   bool ended_ = false;       ///< Bye, or a protocol error: never parked.
   uint64_t lastSeq_ = 0;     ///< The last frame executed.
-  uint64_t lastReplySeq_ = 0;
-  std::shared_ptr<const std::string> lastReply_;
+  /// Replies the client may not have, oldest first (see keepReply).
+  std::deque<std::pair<uint64_t, std::shared_ptr<const std::string>>> replies_;
+  uint64_t replyBytes_ = 0;
+  /// Forgets the kept replies to frames up to \p seq.
+  void dropReplies(uint64_t seq);
   std::unique_ptr<Session> adopted_; ///< What this session's resume Hello found.
   uint64_t resumeFrom_ = 0;
   void fillHello(wire::HelloReply::Builder h, const std::string &serverMac);

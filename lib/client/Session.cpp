@@ -28,6 +28,12 @@ constexpr uint64_t kSmallUpload = 64 << 10;
 constexpr uint64_t kMaxUnacknowledged = uint64_t(256) << 20;
 /// A trace that never syncs is cut (without waiting) after this many nodes.
 constexpr uint64_t kNodeCap = 20000;
+/// An output this small comes back with the reply to its run, up to kValueBudget per cut: a
+/// loss, an accuracy, a gradient norm, GradScaler's found_inf.
+constexpr uint64_t kValueBytes = 16;
+constexpr uint64_t kValueBudget = 256;
+/// Frames whose replies are outstanding, whatever RGPU_MAX_INFLIGHT allows.
+constexpr size_t kMaxInFlightFrames = 64;
 
 } // namespace
 
@@ -56,6 +62,7 @@ struct Session::Command {
   std::string executor; ///< A Define's executor hint.
   std::vector<ir::Hash128> hashes; ///< A Forget's graphs.
   llvm::SmallVector<int64_t, 4> symbols; ///< A Run's symbol values (of a symbolic graph).
+  llvm::IntrusiveRefCntPtr<DeviceData> valueOf; ///< A Download that brings this data's value.
 };
 
 Session &Session::get() {
@@ -66,6 +73,8 @@ Session &Session::get() {
 Session::Session()
     : transport_([this](int level, const std::string &message) { log(level, message); }),
       diagnostics_([this](int level, const std::string &message) { log(level, message); }) {
+  if (const char *n = std::getenv("RGPU_MAX_INFLIGHT"))
+    maxInflight_ = size_t(std::clamp(std::atoi(n), 1, int(kMaxInFlightFrames)));
   if (const char *d = std::getenv("RGPU_DYNAMIC"))
     dynamic_ = std::string(d) != "0";
 }
@@ -156,6 +165,7 @@ void Session::close() {
   // At exit: what is queued and unsent is dropped (nothing can read its results), and the Bye
   // is sent once, without a resume, so a dead server never delays the exit.
   Lock lock(*this);
+  inflight_.clear();
   queue_.clear();
   releases_.clear();
   transport_.close();
@@ -164,6 +174,9 @@ void Session::close() {
 void Session::reset() {
   Lock lock(*this);
   transport_.reset();
+  inflight_.clear();
+  deferredError_.clear();
+  lastReply_ = 0;
   queue_.clear();
   releases_.clear();
   group_.clear();
@@ -510,12 +523,25 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
   }
 
   // The live tensors now hold device data; their traced nodes are released with them.
+  uint64_t valueBudget = kValueBudget;
   for (size_t k = 0; k < outs.size(); ++k) {
     ir::TensorMeta meta = outs[k].node->node.outputs[outs[k].index];
     llvm::IntrusiveRefCntPtr<DeviceData> data(new DeviceData(first + k, std::move(meta)));
-    for (LazyTensorImpl *impl : outs[k].impls)
+    bool wanted = false;
+    for (LazyTensorImpl *impl : outs[k].impls) {
       impl->value = Value{nullptr, 0, data};
+      wanted |= impl->wantValue;
+      impl->wantValue = false;
+    }
     placed[{outs[k].node, outs[k].index}] = data;
+    // Small outputs come back with the run's reply, so reading them later costs no wait.
+    ir::TensorMeta layout = outs[k].impls.front()->downloadLayout();
+    const uint64_t bytes = layout.storageBytes();
+    if (wanted || (bytes <= kValueBytes && bytes <= valueBudget)) {
+      if (!wanted)
+        valueBudget -= bytes;
+      queueValue(data, layout);
+    }
   }
   return placed;
 }
@@ -598,10 +624,24 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
   if (lost())
     raise(ErrorKind::SessionLost, transport_.lostReason());
   site_ = site;
+  harvest();
   if (impl->value.pending())
     cut("read of a value");
   checkCurrent(impl->value);
   DeviceData *data = impl->value.data.get();
+  // A value that came, or is coming, with a reply: at most the wait for that reply.
+  if (data->valueSeq == DeviceData::kValueQueued)
+    flush(true);
+  else if (data->valueSeq)
+    awaitReply(data->valueSeq);
+  raiseDeferred();
+  if (data->value.defined() && data->value.sizes().equals(want.sizes) &&
+      data->value.scalar_type() == static_cast<c10::ScalarType>(want.dtype)) {
+    at::Tensor out = at::empty_strided(want.sizes, want.strides, data->value.options());
+    out.copy_(data->value);
+    ++stats.downloads;
+    return out;
+  }
   if (auto it = fetched_.find(data); it != fetched_.end()) {
     Fetched &f = it->second;
     if (f.cpu.defined() && f.cpu.sizes().equals(want.sizes) && f.cpu.strides().equals(want.strides) &&
@@ -735,6 +775,7 @@ Session::runNow(llvm::IntrusiveRefCntPtr<TraceNode> node) {
 //===----------------------------------------------------------------------===//
 
 void Session::lose(const std::string &why) {
+  inflight_.clear();
   queue_.clear();
   releases_.clear();
   transport_.lose(why);
@@ -772,15 +813,27 @@ Session::Reply Session::flush(bool wantReply) {
     transport_.connect();
   if (queue_.empty() && releases_.empty() && !wantReply)
     return {};
+  // A frame that runs a graph or asks for values gets a reply even when nobody waits for it:
+  // the reply brings the values and acknowledges the frame, and shows how far the server is.
+  bool runs = false, values = false;
+  for (const Command &c : queue_) {
+    runs |= c.kind == wire::Command::RUN;
+    values |= bool(c.valueOf);
+  }
+  if (!wantReply && runs)
+    boundInflight();
   // Frames are kept until the server acknowledges them (a resume sends them again), and only
   // replies acknowledge: past this much, this frame waits for one.
   if (transport_.unacknowledged() > kMaxUnacknowledged)
     wantReply = true;
+  const bool reply = wantReply || runs || values;
+  Targets targets;
   capnp::MallocMessageBuilder b;
   auto frame = b.initRoot<wire::ClientFrame>();
   const uint64_t seq = transport_.nextSeq();
   frame.setSeq(seq);
-  frame.setWantReply(wantReply);
+  frame.setWantReply(reply);
+  frame.setReceived(lastReply_);
   auto cmds = frame.initCommands(queue_.size() + (releases_.empty() ? 0 : 1));
   uint64_t dataBytes = 0;
   for (size_t i = 0; i < queue_.size(); ++i) {
@@ -825,6 +878,7 @@ Session::Reply Session::flush(bool wantReply) {
       break;
     }
     case wire::Command::DOWNLOAD: {
+      targets.push_back({c.valueOf, c.meta});
       auto d = cb.initDownload();
       d.setHandle(c.handle);
       wire::encodeMeta(c.meta, d.initMeta());
@@ -859,27 +913,74 @@ Session::Reply Session::flush(bool wantReply) {
   ++stats.messages;
   stats.bytesOut += bytes.size();
   transport_.send(seq, std::move(bytes));
-  if (!wantReply)
+  for (Target &t : targets)
+    if (t.data)
+      t.data->valueSeq = seq;
+  if (!wantReply) {
+    if (reply)
+      inflight_.push_back({seq, std::move(targets), std::move(ranInFrame),
+                           std::chrono::steady_clock::now(), runs});
     return {};
+  }
 
   ++stats.waits;
   auto start = std::chrono::steady_clock::now();
-  net::Frame reply = transport_.receive(seq);
-  uint64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                        std::chrono::steady_clock::now() - start).count();
-  diagnostics_.waited(site_, locationText(site_), ranInFrame, waited);
-  stats.bytesIn += reply.bytes + net::kHeaderBytes;
+  net::Frame answer = transport_.receive(seq, [this](const net::Frame &f) { absorb(f, nullptr); });
+  auto waited = std::chrono::steady_clock::now() - start;
+  rttMin_ = std::min(rttMin_, waited);
+  diagnostics_.waited(site_, locationText(site_), ranInFrame,
+                      std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count());
+  Reply results = absorb(answer, &targets, seq);
+  raiseDeferred();
+  if (!results.error.empty())
+    raise(ErrorKind::Remote, results.error);
+  return results;
+}
+
+Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint64_t ownSeq) {
+  stats.bytesIn += frame.bytes + net::kHeaderBytes;
   Reply results;
+  Targets answered;
+  const Targets *targets = own;
   std::string error;
   bool fatal = false;
   try {
-    auto reader = net::openFrame(reply, transport_.limits());
+    auto reader = net::openFrame(frame, transport_.limits());
     auto sf = reader->getRoot<wire::ServerFrame>();
+    const uint64_t ack = sf.getAckSeq();
+    lastReply_ = std::max(lastReply_, ack);
+    // Replies come in order: an in-flight frame older than this reply lost its reply in a
+    // resume, and its values will be read again if they are wanted.
+    auto forget = [](Targets &ts, uint64_t seq) {
+      for (Target &t : ts)
+        if (t.data && t.data->valueSeq == seq)
+          t.data->valueSeq = 0;
+    };
+    while (!inflight_.empty() && inflight_.front().seq < ack) {
+      forget(inflight_.front().targets, inflight_.front().seq);
+      inflight_.pop_front();
+    }
+    if (!own && !inflight_.empty() && inflight_.front().seq == ack) {
+      answered = std::move(inflight_.front().targets);
+      rttMin_ = std::min(rttMin_, std::chrono::steady_clock::now() - inflight_.front().sent);
+      inflight_.pop_front();
+      targets = &answered;
+    }
+    size_t download = 0;
     for (auto r : sf.getResults()) {
       switch (r.which()) {
       case wire::Result::DATA: {
         auto d = r.getData();
-        results.data.emplace_back(reinterpret_cast<const char *>(d.begin()), d.size());
+        const Target *t = targets && download < targets->size() ? &(*targets)[download] : nullptr;
+        ++download;
+        if (t && t->data) {
+          // A poisoned output comes back empty (the error says why): it gets no value.
+          if (d.size() == uint64_t(t->layout.storageBytes()))
+            t->data->value = tensorFromBytes(
+                t->layout, std::string(reinterpret_cast<const char *>(d.begin()), d.size()));
+        } else {
+          results.data.emplace_back(reinterpret_cast<const char *>(d.begin()), d.size());
+        }
         break;
       }
       case wire::Result::METAS:
@@ -936,20 +1037,125 @@ Session::Reply Session::flush(bool wantReply) {
       default: break;
       }
     }
+    if (targets)
+      for (const Target &t : *targets)
+        if (t.data)
+          t.data->valueSeq = 0;
     for (auto note : sf.getNotes())
       log(20, "rgpu-opserver: " + std::string(note.cStr()));
     if (sf.hasError()) {
       error = describe(sf.getError());
       fatal = sf.getError().getKind() != wire::Error::Kind::REMOTE;
     }
+    if (own && ack != ownSeq && !fatal) {
+      fatal = true;
+      error = "rgpu-opserver no longer had its reply to frame " + std::to_string(ownSeq) +
+              " when the session resumed";
+    }
   } catch (const kj::Exception &e) {
     lose(std::string("malformed reply from rgpu-opserver: ") + e.getDescription().cStr());
   }
   if (fatal)
     lose(error);
-  if (!error.empty())
-    raise(ErrorKind::Remote, error);
+  if (own)
+    results.error = std::move(error);
+  else if (deferredError_.empty())
+    deferredError_ = std::move(error);
   return results;
+}
+
+void Session::harvest() {
+  net::Frame frame;
+  while (!inflight_.empty() && !lost() && transport_.poll(frame))
+    absorb(frame, nullptr);
+}
+
+void Session::awaitReply(uint64_t seq, bool throttle) {
+  auto it = std::find_if(inflight_.begin(), inflight_.end(),
+                         [&](const InFlight &f) { return f.seq == seq; });
+  if (it == inflight_.end())
+    return;
+  std::vector<ir::Hash128> runs = it->runs;
+  auto start = std::chrono::steady_clock::now();
+  net::Frame frame = transport_.receive(seq, [this](const net::Frame &f) { absorb(f, nullptr); });
+  const uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now() - start).count();
+  if (throttle) {
+    ++stats.throttled;
+    stats.throttledNs += ns;
+  } else {
+    ++stats.waits;
+    diagnostics_.waited(site_, locationText(site_), runs, ns);
+  }
+  absorb(frame, nullptr);
+}
+
+void Session::boundInflight() {
+  harvest();
+  for (;;) {
+    auto now = std::chrono::steady_clock::now();
+    size_t behind = 0;
+    for (const InFlight &f : inflight_)
+      behind += f.step && now - f.sent > rttMin_;
+    if (behind < maxInflight_ && inflight_.size() < kMaxInFlightFrames)
+      return;
+    awaitReply(inflight_.front().seq, /*throttle=*/true);
+  }
+}
+
+void Session::queueValue(const llvm::IntrusiveRefCntPtr<DeviceData> &data,
+                         const ir::TensorMeta &layout) {
+  if (data->value.defined() || data->valueSeq)
+    return;
+  Command c;
+  c.kind = wire::Command::DOWNLOAD;
+  c.handle = data->handle;
+  c.meta = layout;
+  c.valueOf = data;
+  data->valueSeq = DeviceData::kValueQueued;
+  queue(std::move(c));
+}
+
+void Session::raiseDeferred() {
+  if (deferredError_.empty())
+    return;
+  std::string error;
+  error.swap(deferredError_);
+  raise(ErrorKind::Remote, error);
+}
+
+bool Session::hasValue(LazyTensorImpl *impl) {
+  Lock lock(*this);
+  if (!lost())
+    harvest();
+  return !impl->value.pending() && impl->value.data && impl->value.data->value.defined();
+}
+
+void Session::requestValue(LazyTensorImpl *impl) {
+  Lock lock(*this);
+  if (lost())
+    raise(ErrorKind::SessionLost, transport_.lostReason());
+  harvest();
+  if (impl->value.pending()) {
+    impl->wantValue = true;
+    return;
+  }
+  checkCurrent(impl->value);
+  queueValue(impl->value.data, impl->downloadLayout());
+  if (!queue_.empty())
+    flush(false);
+}
+
+void Session::poll() {
+  Lock lock(*this);
+  if (!lost())
+    harvest();
+}
+
+void Session::send() {
+  Lock lock(*this);
+  if (!queue_.empty() || !releases_.empty())
+    flush(false);
 }
 
 } // namespace rgpu::client

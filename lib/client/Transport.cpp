@@ -254,7 +254,34 @@ void Transport::send(uint64_t seq, std::string bytes) {
     recover("the connection closed while a frame was sent", Clock::now());
 }
 
-net::Frame Transport::receive(uint64_t seq) {
+bool Transport::poll(net::Frame &out) {
+  if (lost())
+    raise(ErrorKind::SessionLost, lostReason_);
+  for (;;) {
+    auto status = socket_.connected() ? socket_.receive(*decoder_, out, 0, /*spin=*/false)
+                                      : net::Socket::Status::Closed;
+    if (status == net::Socket::Status::Timeout)
+      return false;
+    if (status != net::Socket::Status::Ok) {
+      recover(status == net::Socket::Status::Closed ? "the connection closed"
+                                                     : "the connection failed",
+              Clock::now());
+      continue;
+    }
+    try {
+      auto sf = net::openFrame(out, limits_)->getRoot<wire::ServerFrame>();
+      if (sf.getHeartbeat())
+        continue;
+      acknowledge(sf.getAckSeq());
+    } catch (const kj::Exception &) {
+      // Malformed: the session reports it.
+    }
+    return true;
+  }
+}
+
+net::Frame Transport::receive(uint64_t seq,
+                              const std::function<void(const net::Frame &)> &earlier) {
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
   // A server serving this client's frames sends a heartbeat every half second: this long a
@@ -267,21 +294,23 @@ net::Frame Transport::receive(uint64_t seq) {
                                       : net::Socket::Status::Closed;
     if (status == net::Socket::Status::Ok) {
       heard = Clock::now();
-      bool mine = true;
+      uint64_t ack = seq;
+      bool fatal = false;
       try {
         auto reader = net::openFrame(frame, limits_);
         auto sf = reader->getRoot<wire::ServerFrame>();
         if (sf.getHeartbeat())
           continue;
         acknowledge(sf.getAckSeq());
-        mine = sf.getAckSeq() == seq ||
-               (sf.hasError() && sf.getError().getKind() != wire::Error::Kind::REMOTE);
+        ack = sf.getAckSeq();
+        fatal = sf.hasError() && sf.getError().getKind() != wire::Error::Kind::REMOTE;
       } catch (const kj::Exception &) {
         // Malformed: the session reports it.
       }
-      if (mine)
+      if (ack >= seq || fatal)
         return frame;
-      continue; // an earlier frame's reply, sent again after a resume
+      earlier(frame);
+      continue;
     }
     bool silent = status == net::Socket::Status::Timeout;
     recover(silent ? "no answer for " + seconds(silenceMs / 1000.0)
@@ -320,6 +349,7 @@ void Transport::recover(const std::string &why, Clock::time_point since) {
                      seconds(std::chrono::duration<double>(Clock::now() - start).count()) +
                      " without a connection; sending " + std::to_string(kept_.size()) +
                      " frame(s) again");
+        keepAnchor();
         bool sent = true;
         for (const auto &kept : kept_)
           if (!(sent = socket_.sendAll(kept.second)))
@@ -340,6 +370,18 @@ void Transport::recover(const std::string &why, Clock::time_point since) {
   }
   lose("rgpu-opserver at " + address_ + " could not be reached again within " +
        std::to_string(reconnectSeconds_) + " s (RGPU_RECONNECT_SECONDS; " + last + ")");
+}
+
+void Transport::keepAnchor() {
+  capnp::MallocMessageBuilder b;
+  auto frame = b.initRoot<wire::ClientFrame>();
+  const uint64_t seq = nextSeq();
+  frame.setSeq(seq);
+  frame.setWantReply(true);
+  frame.initCommands(1)[0].setSync();
+  std::string bytes = net::encodeFrame(b, true);
+  keptBytes_ += bytes.size();
+  kept_.emplace_back(seq, std::move(bytes));
 }
 
 void Transport::close() {

@@ -300,7 +300,7 @@ bool Socket::sendAll(const std::string &data) {
   return true;
 }
 
-Socket::Status Socket::receive(FrameDecoder &decoder, Frame &out, int timeoutMs) {
+Socket::Status Socket::receive(FrameDecoder &decoder, Frame &out, int timeoutMs, bool spin) {
   char buf[1 << 16];
   using Clock = std::chrono::steady_clock;
   const Clock::time_point spinUntil = Clock::now() + std::chrono::microseconds(spinMicros_);
@@ -309,7 +309,7 @@ Socket::Status Socket::receive(FrameDecoder &decoder, Frame &out, int timeoutMs)
     int rc = 0;
     // A reply due soon is polled for first: a thread that sleeps in poll(2) is woken by the
     // kernel, which costs a virtual machine's idle CPU 100 us and more.
-    while (spinMicros_ > 0 && rc == 0 && Clock::now() < spinUntil) {
+    while (spin && spinMicros_ > 0 && rc == 0 && Clock::now() < spinUntil) {
       rc = ::poll(&p, 1, 0);
       if (rc == 0)
         sched_yield();

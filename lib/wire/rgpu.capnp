@@ -149,7 +149,8 @@ struct ClientFrame {
   seq @0 :UInt64;        # 1, 2, 3, ... per session; 0 for a Hello, which is not replayed
   wantReply @1 :Bool;    # the client blocks until the ServerFrame for this frame arrives
   commands @2 :List(Command);
-}
+  received @3 :UInt64;   # the last frame whose reply the client has: the server forgets replies
+}                        # up to it (it keeps later ones for a resume)
 
 struct Error {
   op @0 :Text;           # "aten::index_select" or empty for protocol errors

@@ -21,9 +21,12 @@ __all__ = [
     "AuthenticationError",
     "UnsupportedOpError",
     "compile_backend",
+    "flush",
     "mark_dynamic",
     "mark_step",
     "metrics_report",
+    "on_ready",
+    "prefetch",
     "reset",
     "server_stats",
     "set_dynamic",
@@ -67,6 +70,8 @@ def compile_backend(mode=None, compiler="inductor"):
 torch.utils.rename_privateuse1_backend("rgpu")
 
 from . import _C  # noqa: E402  (the backend must be named before the kernels register)
+from . import _ready  # noqa: E402
+from ._ready import flush, on_ready, prefetch  # noqa: E402
 from . import device as _device_module  # noqa: E402
 
 _C._install(
@@ -144,15 +149,19 @@ def stats() -> dict:
     ``messages`` (frames sent), ``waits`` (blocking round trips), ``bytes_out``, ``bytes_in``,
     ``graphs_shipped`` (graphs sent in full), ``graph_runs``, ``ops_traced``, ``uploads``,
     ``downloads``, ``live_tensors``, ``graphs_generalized`` (symbolic graphs made from graphs
-    that differed only in sizes), ``symbolic_runs`` (runs of them), ``cuts_replayed`` (cuts that
+    that differed only in sizes), ``symbolic_runs`` (runs of them), ``throttled`` and
+    ``throttled_ms`` (times, and how long, the client waited for a server RGPU_MAX_INFLIGHT
+    steps behind it; not counted in ``waits``), ``cuts_replayed`` (cuts that
     ran as an earlier cut of the same trace shape resolved, without building their graph).
     """
     return _C.stats()
 
 
 def mark_step(wait: bool = False) -> None:
-    """Cuts the pending trace into a graph and sends it to run, without waiting by default."""
+    """Cuts the pending trace into a graph and sends it to run, without waiting by default.
+    Runs the ``on_ready`` callbacks whose values have arrived."""
     _C.mark_step(wait)
+    _ready.deliver()
 
 
 def server_stats() -> dict:
@@ -228,6 +237,7 @@ def _optimizer_step_boundary(optimizer, args, kwargs):
     # The end of an optimizer step is a natural graph boundary: cutting here (without waiting)
     # keeps a loop that never syncs bounded, and gives graphs that repeat step after step.
     _C.mark_step(False, "optimizer step")
+    _ready.deliver()
 
 
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402

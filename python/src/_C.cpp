@@ -129,6 +129,21 @@ PYBIND11_MODULE(_C, m) {
       "synchronize", []() { Session::get().synchronize(); },
       py::call_guard<py::gil_scoped_release>());
   m.def("seed", [](uint64_t seed) { Session::get().seed(seed); });
+  auto impl = [](const at::Tensor &t) {
+    LazyTensorImpl *i = lazyImpl(t);
+    if (!i)
+      throw py::value_error("not an rgpu tensor");
+    return i;
+  };
+  m.def("has_value", [impl](const at::Tensor &t) { return Session::get().hasValue(impl(t)); });
+  m.def("request_value", [impl](const at::Tensor &t) { Session::get().requestValue(impl(t)); });
+  m.def("poll", []() { Session::get().poll(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("_set_max_inflight", [](size_t n) {
+    Session &session = Session::get();
+    Session::Lock lock(session);
+    return session.setMaxInflight(n);
+  });
+  m.def("send", []() { Session::get().send(); }, py::call_guard<py::gil_scoped_release>());
   m.def("_check_replays", [](bool on) {
     Session &session = Session::get();
     Session::Lock lock(session);
@@ -191,6 +206,8 @@ PYBIND11_MODULE(_C, m) {
     d["graphs_generalized"] = s.graphsGeneralized.load();
     d["symbolic_runs"] = s.symbolicRuns.load();
     d["cuts_replayed"] = s.cutsReplayed.load();
+    d["throttled"] = s.throttled.load();
+    d["throttled_ms"] = s.throttledNs.load() / 1e6;
     d["reconnects"] = Session::get().reconnects();
     d["live_tensors"] = Session::get().liveTensors();
     return d;

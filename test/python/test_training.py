@@ -131,10 +131,17 @@ def test_gpt_trains_like_cpu_at_one_wait_per_step():
         assert s["graphs_shipped"] == 0, s
 
 
-def test_gpt_without_item_never_waits():
-    _, _, per_step = train_gpt(R, steps=13, item_every_step=False)
+def test_gpt_without_item_never_waits_unless_the_server_falls_behind():
+    # Only RGPU_MAX_INFLIGHT makes such a loop wait: for the server, when it is that many steps
+    # behind the client.
+    bound = rgpu._C._set_max_inflight(64)
+    try:
+        _, _, per_step = train_gpt(R, steps=13, item_every_step=False)
+    finally:
+        rgpu._C._set_max_inflight(bound)
     assert sum(s["waits"] for s in per_step[3:]) == 0, per_step
     assert all(s["graphs_shipped"] == 0 for s in per_step[3:]), per_step
+    assert all(s["messages"] == 1 for s in per_step[3:]), per_step
 
 
 def test_a_loop_that_never_syncs_is_cut_at_the_node_cap():

@@ -11,6 +11,7 @@
 
 #include "rgpu/ir/Graph.h"
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
 #include <llvm/ADT/IntrusiveRefCntPtr.h>
 
@@ -26,6 +27,13 @@ struct DeviceData : llvm::ThreadSafeRefCountedBase<DeviceData> {
   /// so the first graph that reads this data already treats that size as a symbol. Guarded by
   /// the session lock.
   uint64_t dynamicDims = 0;
+  /// Its bytes on this side, once a reply brought them: small outputs come back with the reply
+  /// to their run, and rgpu.on_ready asks for others. Guarded by the session lock.
+  at::Tensor value;
+  /// The frame whose reply brings `value`; kValueQueued while its Download waits in the queue,
+  /// 0 if none will.
+  uint64_t valueSeq = 0;
+  static constexpr uint64_t kValueQueued = ~uint64_t(0);
 };
 
 struct TraceNode;
@@ -60,6 +68,8 @@ public:
   ir::TensorMeta downloadLayout() const;
 
   Value value;
+  /// rgpu.on_ready waits for this pending tensor: the cut that computes it asks for its bytes.
+  bool wantValue = false;
   /// Intrusive list of live impls, walked at every cut (guarded by the session lock).
   LazyTensorImpl *prev = nullptr, *next = nullptr;
 

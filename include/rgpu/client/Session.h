@@ -22,6 +22,8 @@
 #include <llvm/ADT/StringMap.h>
 
 #include <atomic>
+#include <chrono>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <list>
@@ -33,7 +35,7 @@ namespace rgpu::client {
 struct Stats {
   std::atomic<uint64_t> messages{0}, waits{0}, bytesOut{0}, bytesIn{0}, graphsShipped{0},
       graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0}, graphsForgotten{0},
-      graphsGeneralized{0}, symbolicRuns{0}, cutsReplayed{0};
+      graphsGeneralized{0}, symbolicRuns{0}, cutsReplayed{0}, throttled{0}, throttledNs{0};
 };
 
 /// How errors reach the user; the Python glue replaces the default (std::runtime_error) so that
@@ -111,6 +113,22 @@ public:
   /// metas as the server computed them: the path for data-dependent output shapes.
   std::vector<std::pair<Value, ir::TensorMeta>> runNow(llvm::IntrusiveRefCntPtr<TraceNode> node);
 
+  /// Whether \p impl's bytes are here (a reply brought them), so reading it costs no wait. Takes
+  /// in the replies that have arrived.
+  bool hasValue(LazyTensorImpl *impl);
+  /// Asks for \p impl's bytes without waiting for them (rgpu.on_ready): a pending tensor's come
+  /// with the reply to the cut that computes it, device data's in the reply to a Download sent
+  /// now.
+  void requestValue(LazyTensorImpl *impl);
+  /// Takes in the replies that have arrived, without waiting.
+  void poll();
+  /// Sends what is queued (uploads) now, without cutting the trace or waiting.
+  void send();
+  /// How many steps may wait on the server (RGPU_MAX_INFLIGHT); returns the previous bound.
+  size_t setMaxInflight(size_t n) {
+    std::swap(n, maxInflight_);
+    return n;
+  }
   /// The server's counters, and this session's on the server (one round trip).
   struct ServerStats {
     uint64_t planBuilds = 0, graphsCached = 0, graphRuns = 0, sessions = 0;
@@ -232,12 +250,54 @@ private:
   void queue(Command c);
   /// What an awaited frame brought back, in command order per kind.
   struct Reply {
-    std::vector<std::string> data;                  ///< Downloads.
+    std::vector<std::string> data;                  ///< Downloads (besides values).
     std::vector<std::vector<ir::TensorMeta>> metas; ///< Runs of data-dependent ops.
     std::vector<ServerStats> stats;                 ///< Stats requests.
+    std::string error;                              ///< A remote error, described.
   };
+  /// Per Download of a frame, the data whose value it brings, in what layout (null data: an
+  /// ordinary download).
+  struct Target {
+    llvm::IntrusiveRefCntPtr<DeviceData> data;
+    ir::TensorMeta layout;
+  };
+  using Targets = std::vector<Target>;
   /// Sends the queued commands as one frame. With \p wantReply, waits for the server's answer.
+  /// Without it, a frame that runs a graph or asks for values still gets a reply, taken in
+  /// later (harvest) or when one of its values is read.
   Reply flush(bool wantReply);
+  /// A frame sent with a reply that nobody has waited for yet.
+  struct InFlight {
+    uint64_t seq = 0;
+    Targets targets;
+    std::vector<ir::Hash128> runs;
+    std::chrono::steady_clock::time_point sent;
+    bool step = false; ///< It runs a graph: it counts against RGPU_MAX_INFLIGHT.
+  };
+  /// Oldest first; replies arrive in this order.
+  std::deque<InFlight> inflight_;
+  /// Reads one reply: values into their data (\p own: the targets of frame \p ownSeq, being
+  /// waited for; else the in-flight frame it answers), the rest into the returned Reply. Notes
+  /// are logged; an error that ends the session loses it.
+  Reply absorb(const net::Frame &frame, const Targets *own, uint64_t ownSeq = 0);
+  /// Takes in every reply that has arrived; a remote error among them is kept for the next
+  /// read (raiseDeferred).
+  void harvest();
+  /// Waits for the reply to in-flight frame \p seq: one wait for a value, or with \p throttle
+  /// one wait for the server to catch up (counted apart).
+  void awaitReply(uint64_t seq, bool throttle = false);
+  /// Waits while RGPU_MAX_INFLIGHT steps are out for longer than the link's round trip.
+  void boundInflight();
+  /// Asks, in the next frame, for \p data's bytes in \p layout.
+  void queueValue(const llvm::IntrusiveRefCntPtr<DeviceData> &data, const ir::TensorMeta &layout);
+  /// Raises the remote error an unawaited reply brought, once.
+  void raiseDeferred();
+  std::string deferredError_;
+  uint64_t lastReply_ = 0; ///< The last frame whose reply was read (ClientFrame.received).
+  /// The fastest reply seen: a step out for less than this is in transit, not waiting on the
+  /// server.
+  std::chrono::steady_clock::duration rttMin_ = std::chrono::steady_clock::duration::max();
+  size_t maxInflight_ = 2;
   [[noreturn]] void lose(const std::string &why);
   /// A download too large for one reply, one chunk per round trip.
   at::Tensor downloadInChunks(const DeviceData &data, const ir::TensorMeta &want);

@@ -59,8 +59,14 @@ public:
   /// Sends the frame numbered \p seq (encoded with that number) and keeps it until the server
   /// has executed it. A drop is survived by resuming; raises SessionLost if it cannot be.
   void send(uint64_t seq, std::string bytes);
-  /// Waits for the server's reply to frame \p seq (or an error that ends the session).
-  net::Frame receive(uint64_t seq);
+  /// Waits for the server's reply to frame \p seq (or an error that ends the session). Replies
+  /// to earlier frames that arrive first (frames whose replies nobody waited for) go to
+  /// \p earlier, in order. After a resume the server may no longer have had that reply: then
+  /// the next later reply is returned instead.
+  net::Frame receive(uint64_t seq, const std::function<void(const net::Frame &)> &earlier);
+  /// The next reply that has arrived, without waiting; false if none has. A dropped connection
+  /// is resumed here as in receive().
+  bool poll(net::Frame &out);
   /// Bytes of frames sent and not yet acknowledged.
   uint64_t unacknowledged() const { return keptBytes_; }
 
@@ -84,6 +90,10 @@ private:
   /// SessionLost if that fails.
   void recover(const std::string &why, std::chrono::steady_clock::time_point since);
   void acknowledge(uint64_t seq);
+  /// Keeps a Sync frame that asks for a reply (sent after a resume, so that a reply later than
+  /// every frame sent before the drop arrives: replies the server no longer had are then known
+  /// to be lost, not late).
+  void keepAnchor();
 
   std::function<void(int, const std::string &)> log_;
   std::string wanted_, address_;

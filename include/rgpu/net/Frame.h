@@ -94,8 +94,9 @@ public:
   void close();
   /// Sends all of \p data; false if the peer is gone.
   bool sendAll(const std::string &data);
-  /// Receives one frame, waiting at most \p timeoutMs (negative: forever).
-  Status receive(FrameDecoder &decoder, Frame &out, int timeoutMs);
+  /// Receives one frame, waiting at most \p timeoutMs (negative: forever). Without \p spin,
+  /// it does not poll RGPU_SPIN_US first: timeout 0 then only takes what has arrived.
+  Status receive(FrameDecoder &decoder, Frame &out, int timeoutMs, bool spin = true);
 
 private:
   int fd_ = -1;

@@ -1,0 +1,228 @@
+"""Values that arrive without being asked: small outputs ride back with their run's reply, so a
+read of them costs no wait once the reply is in; rgpu.on_ready delivers values as they arrive;
+RGPU_MAX_INFLIGHT holds a client that outruns its server; rgpu.prefetch uploads ahead."""
+
+import io
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import rgpu
+
+R = "rgpu"
+
+
+def delta(before):
+    after = rgpu.stats()
+    return {k: after[k] - before[k] for k in ("waits", "messages", "downloads", "throttled")}
+
+
+def mlp_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def mlp(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)).to(device)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def batch(step, device):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(16, 8, generator=g).to(device), torch.randn(16, 1, generator=g).to(device)
+
+
+def cpu_losses(steps):
+    model, opt = mlp("cpu")
+    return [mlp_step(model, opt, *batch(s, "cpu")).item() for s in range(steps)]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.tensor(2.5),
+    lambda: torch.tensor(-7, dtype=torch.int64),
+    lambda: torch.tensor(True),
+    lambda: torch.tensor(1.5, dtype=torch.bfloat16),
+    lambda: torch.tensor(0.25, dtype=torch.float16),
+    lambda: torch.tensor(1 - 2j, dtype=torch.complex64),
+    lambda: torch.arange(4.0).reshape(2, 2).t(),   # a tiny transposed layout
+    lambda: torch.zeros(0, 3),                     # empty
+], ids=["f32", "i64", "bool", "bf16", "f16", "c64", "transposed", "empty"])
+def test_a_small_output_is_read_without_a_wait_once_its_reply_is_in(make):
+    a = make()
+    expected = a * 3 if a.dtype != torch.bool else ~a
+    out = a.to(R) * 3 if a.dtype != torch.bool else ~a.to(R)
+    rgpu.mark_step()
+    torch.rgpu.synchronize()  # its reply comes after the run's: the value is in
+    before = rgpu.stats()
+    got = out.cpu()
+    assert delta(before)["waits"] == 0 and delta(before)["messages"] == 0
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert got.stride() == expected.stride() or got.numel() == 0
+    assert got.numel() == 0 or out.cpu().data_ptr() != got.data_ptr()  # each read its own copy
+
+
+def test_the_naive_loop_waits_at_most_once_per_step_and_sends_one_message():
+    model, opt = mlp(R)
+    expected = cpu_losses(8)
+    for step in range(8):
+        before = rgpu.stats()
+        loss = mlp_step(model, opt, *batch(step, R))
+        assert loss.item() == pytest.approx(expected[step], rel=1e-5, abs=1e-6)
+        if step >= 2:  # one wait, or none if the reply was in before the read
+            assert delta(before)["waits"] <= 1, step
+            assert delta(before)["messages"] == 1, step  # no Download: the value rode back
+
+
+def test_on_ready_delivers_every_loss_in_order_without_a_wait():
+    model, opt = mlp(R)
+    expected = cpu_losses(12)
+    got = []
+    before = None
+    for step in range(12):
+        if step == 2:
+            before = rgpu.stats()
+        loss = mlp_step(model, opt, *batch(step, R))
+        rgpu.on_ready(lambda l, s=step: got.append((s, l.item())), loss)
+    steady = delta(before)
+    rgpu.flush()
+    assert steady["waits"] == 0, steady
+    assert [s for s, _ in got] == list(range(12))
+    torch.testing.assert_close([v for _, v in got], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tqdm_postfix_loop_does_not_wait():
+    tqdm = pytest.importorskip("tqdm")
+    model, opt = mlp(R)
+    bar = tqdm.tqdm(range(10), file=io.StringIO(), mininterval=0)
+    before = None
+    for step in bar:
+        if step == 2:
+            before = rgpu.stats()
+        loss = mlp_step(model, opt, *batch(step, R))
+        rgpu.on_ready(lambda l: bar.set_postfix(loss=f"{l.item():.4f}"), loss)
+    steady = delta(before)
+    rgpu.flush()
+    assert steady["waits"] == 0, steady
+    assert "loss=" in bar.fp.getvalue()
+
+
+def test_the_log_the_previous_loss_loop_reads_from_replies():
+    model, opt = mlp(R)
+    expected = cpu_losses(10)
+    previous, got, per_step = None, [], []
+    for step in range(10):
+        before = rgpu.stats()
+        loss = mlp_step(model, opt, *batch(step, R))
+        if previous is not None:
+            got.append(previous.item())
+        previous = loss
+        per_step.append(delta(before))
+    torch.testing.assert_close(got, expected[:9], rtol=1e-5, atol=1e-6)
+    # Reading the previous step's loss sends nothing: at most the wait for a reply in transit.
+    assert all(s["messages"] == 1 and s["waits"] <= 1 for s in per_step[2:]), per_step
+
+
+def test_on_ready_of_large_pending_and_cpu_values():
+    big = torch.randn(300, 300)
+    big_r = big.to(R)
+    doubled = big_r * 2  # pending: its cut asks for it
+    seen = []
+    rgpu.on_ready(lambda a, b, c: seen.append((a, b, c)), big_r, doubled, 7)
+    rgpu.on_ready(lambda a: seen.append(a), big_r.t())  # another layout of data already there
+    rgpu.flush()
+    assert len(seen) == 2
+    a, b, c = seen[0]
+    torch.testing.assert_close(a, big, rtol=0, atol=0)
+    torch.testing.assert_close(b, big * 2, rtol=0, atol=0)
+    assert c == 7
+    torch.testing.assert_close(seen[1], big.t(), rtol=0, atol=0)
+
+
+def test_a_failing_callback_raises_at_the_sync_point_and_is_not_run_again():
+    calls = []
+
+    def fail(v):
+        calls.append(v)
+        raise ValueError("callback failed")
+
+    x = torch.tensor(1.0).to(R) + 1
+    rgpu.mark_step()
+    torch.rgpu.synchronize()
+    with pytest.raises(ValueError, match="callback failed"):
+        rgpu.on_ready(fail, x)
+    rgpu.flush()
+    assert len(calls) == 1
+
+
+def test_an_error_in_a_run_nobody_waited_for_is_raised_at_the_next_read():
+    x = torch.randn(4, 3).to(R)
+    bad = torch.index_select(x, 0, torch.tensor([0, 9]).to(R)).sum()  # fails on the server
+    rgpu.mark_step()
+    ok = (x * 2).sum()
+    rgpu.mark_step()
+    while not rgpu._C.has_value(ok):  # the error came back in the reply to the failing run
+        time.sleep(0.001)
+    with pytest.raises(rgpu.RemoteError, match="index_select failed on the server at .*test_values"):
+        ok.item()
+    with pytest.raises(rgpu.RemoteError, match="index"):
+        bad.item()  # poisoned: its value never came
+    assert (torch.ones(2).to(R) * 3).sum().item() == 6.0  # the session goes on
+    bad2 = torch.index_select(x, 0, torch.tensor([7]).to(R)).sum()  # noqa: F841 (kept alive)
+    rgpu.mark_step()
+    with pytest.raises(rgpu.RemoteError, match="index"):
+        torch.rgpu.synchronize()  # as before: a sync raises what failed since the last one
+
+
+def test_flush_raises_for_a_value_that_failed():
+    x = torch.randn(4, 3).to(R)
+    bad = torch.index_select(x, 0, torch.tensor([5]).to(R)).sum()
+    rgpu.on_ready(lambda v: None, bad)
+    rgpu.mark_step()
+    with pytest.raises(rgpu.RemoteError, match="index"):
+        rgpu.flush()
+    rgpu.flush()  # nothing left
+
+
+def heavy_steps(n):
+    w = torch.randn(400, 400).to(R)
+    for _ in range(n):
+        for _ in range(6):
+            w = torch.tanh(w @ w) * 0.5
+        rgpu.mark_step()
+    return w
+
+
+def test_max_inflight_holds_a_client_that_outruns_the_server():
+    heavy_steps(1).cpu()  # defined, planned
+    bound = rgpu._C._set_max_inflight(64)
+    try:
+        before = rgpu.stats()
+        w = heavy_steps(8)
+        free = delta(before)
+        rgpu._C._set_max_inflight(1)
+        before = rgpu.stats()
+        w2 = heavy_steps(8)
+        held = delta(before)
+    finally:
+        rgpu._C._set_max_inflight(bound)
+    assert free["waits"] == 0 and free["throttled"] == 0, free
+    # Held back: a wait for the oldest step's reply, counted apart from waits for values.
+    assert held["waits"] == 0 and held["throttled"] >= 4, held
+    assert torch.isfinite(w.cpu()).all() and torch.isfinite(w2.cpu()).all()
+
+
+def test_prefetch_uploads_ahead_and_keeps_structure():
+    loader = [(torch.full((2,), float(i)), {"y": torch.tensor(i)}) for i in range(5)]
+    seen = []
+    for x, d in rgpu.prefetch(loader, depth=2):
+        assert x.device.type == "rgpu" and d["y"].device.type == "rgpu"
+        seen.append((x.cpu().tolist(), d["y"].item()))
+    assert seen == [([float(i)] * 2, i) for i in range(5)]
+    with pytest.raises(ValueError):
+        next(iter(rgpu.prefetch(loader, depth=0)))
