@@ -925,9 +925,10 @@ Session::Reply Session::flush(bool wantReply) {
 
   ++stats.waits;
   auto start = std::chrono::steady_clock::now();
-  net::Frame answer = transport_.receive(seq, [this](const net::Frame &f) { absorb(f, nullptr); });
+  // Replies read here in a burst say nothing about when they came: they are not timed.
+  net::Frame answer =
+      transport_.receive(seq, [this](const net::Frame &f) { absorb(f, nullptr, 0, false); });
   auto waited = std::chrono::steady_clock::now() - start;
-  rttMin_ = std::min(rttMin_, waited);
   diagnostics_.waited(site_, locationText(site_), ranInFrame,
                       std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count());
   Reply results = absorb(answer, &targets, seq);
@@ -937,7 +938,8 @@ Session::Reply Session::flush(bool wantReply) {
   return results;
 }
 
-Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint64_t ownSeq) {
+Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint64_t ownSeq,
+                               bool timed) {
   stats.bytesIn += frame.bytes + net::kHeaderBytes;
   Reply results;
   Targets answered;
@@ -962,7 +964,13 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
     }
     if (!own && !inflight_.empty() && inflight_.front().seq == ack) {
       answered = std::move(inflight_.front().targets);
-      rttMin_ = std::min(rttMin_, std::chrono::steady_clock::now() - inflight_.front().sent);
+      const auto now = std::chrono::steady_clock::now();
+      if (inflight_.front().step && timed) {
+        stepLatency_ = std::min(stepLatency_, now - inflight_.front().sent);
+        stepReplies_.push_back(now);
+        if (stepReplies_.size() > 16)
+          stepReplies_.pop_front();
+      }
       inflight_.pop_front();
       targets = &answered;
     }
@@ -1077,7 +1085,8 @@ void Session::awaitReply(uint64_t seq, bool throttle) {
     return;
   std::vector<ir::Hash128> runs = it->runs;
   auto start = std::chrono::steady_clock::now();
-  net::Frame frame = transport_.receive(seq, [this](const net::Frame &f) { absorb(f, nullptr); });
+  net::Frame frame = transport_.receive(
+      seq, [this](const net::Frame &f) { absorb(f, nullptr); }, /*spin=*/!throttle);
   const uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                           std::chrono::steady_clock::now() - start).count();
   if (throttle) {
@@ -1093,11 +1102,25 @@ void Session::awaitReply(uint64_t seq, bool throttle) {
 void Session::boundInflight() {
   harvest();
   for (;;) {
-    auto now = std::chrono::steady_clock::now();
-    size_t behind = 0;
+    // Steps in transit: as many as finish, at the rate their replies have been coming, in the
+    // time an unqueued step takes to be answered (Little's law). The window grows from
+    // RGPU_MAX_INFLIGHT as that rate becomes known; a client that waits here reads replies as
+    // they come, which keeps the rate honest.
+    size_t window = maxInflight_;
+    if (stepReplies_.size() >= 4) {
+      // The median interval: replies taken in together (a harvest after a long trace) give
+      // zero intervals, which must not decide.
+      std::vector<std::chrono::steady_clock::duration> gaps;
+      for (size_t k = 1; k < stepReplies_.size(); ++k)
+        gaps.push_back(stepReplies_[k] - stepReplies_[k - 1]);
+      std::nth_element(gaps.begin(), gaps.begin() + gaps.size() / 2, gaps.end());
+      auto interval = gaps[gaps.size() / 2];
+      window += interval.count() > 0 ? size_t(stepLatency_ / interval) : kMaxInFlightFrames;
+    }
+    size_t steps = 0;
     for (const InFlight &f : inflight_)
-      behind += f.step && now - f.sent > rttMin_;
-    if (behind < maxInflight_ && inflight_.size() < kMaxInFlightFrames)
+      steps += f.step;
+    if (steps < std::min(window, kMaxInFlightFrames) && inflight_.size() < kMaxInFlightFrames)
       return;
     awaitReply(inflight_.front().seq, /*throttle=*/true);
   }

@@ -177,11 +177,13 @@ Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &w
   h.setClientNonce(dataOf(nonce));
   if (tcp_)
     h.setAuthMac(dataOf(net::auth::clientMac(token, challenge, nonce)));
+  const auto sent = Clock::now();
   if (!socket_.sendAll(net::encodeFrame(b, true)))
     return noAnswer("closed the connection before the Hello");
   net::Frame reply = receiveHandshake(timeoutMs, ok);
   if (!ok)
     return noAnswer("reply to the Hello");
+  roundTrip_ = std::min(roundTrip_, Clock::now() - sent);
   auto reader = net::openFrame(reply, limits_);
   auto sf = reader->getRoot<wire::ServerFrame>();
   if (sf.hasError()) {
@@ -281,7 +283,7 @@ bool Transport::poll(net::Frame &out) {
 }
 
 net::Frame Transport::receive(uint64_t seq,
-                              const std::function<void(const net::Frame &)> &earlier) {
+                              const std::function<void(const net::Frame &)> &earlier, bool spin) {
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
   // A server serving this client's frames sends a heartbeat every half second: this long a
@@ -290,7 +292,7 @@ net::Frame Transport::receive(uint64_t seq,
   auto heard = Clock::now();
   for (;;) {
     net::Frame frame;
-    auto status = socket_.connected() ? socket_.receive(*decoder_, frame, silenceMs)
+    auto status = socket_.connected() ? socket_.receive(*decoder_, frame, silenceMs, spin)
                                       : net::Socket::Status::Closed;
     if (status == net::Socket::Status::Ok) {
       heard = Clock::now();

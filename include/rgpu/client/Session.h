@@ -278,15 +278,18 @@ private:
   std::deque<InFlight> inflight_;
   /// Reads one reply: values into their data (\p own: the targets of frame \p ownSeq, being
   /// waited for; else the in-flight frame it answers), the rest into the returned Reply. Notes
-  /// are logged; an error that ends the session loses it.
-  Reply absorb(const net::Frame &frame, const Targets *own, uint64_t ownSeq = 0);
+  /// are logged; an error that ends the session loses it. A \p timed reply was read about when
+  /// it arrived: it tells how fast steps are answered (boundInflight).
+  Reply absorb(const net::Frame &frame, const Targets *own, uint64_t ownSeq = 0,
+               bool timed = true);
   /// Takes in every reply that has arrived; a remote error among them is kept for the next
   /// read (raiseDeferred).
   void harvest();
   /// Waits for the reply to in-flight frame \p seq: one wait for a value, or with \p throttle
   /// one wait for the server to catch up (counted apart).
   void awaitReply(uint64_t seq, bool throttle = false);
-  /// Waits while RGPU_MAX_INFLIGHT steps are out for longer than the link's round trip.
+  /// Waits while more steps are unanswered than RGPU_MAX_INFLIGHT plus those in transit (the
+  /// fastest a step was ever answered, over the interval between step replies).
   void boundInflight();
   /// Asks, in the next frame, for \p data's bytes in \p layout.
   void queueValue(const llvm::IntrusiveRefCntPtr<DeviceData> &data, const ir::TensorMeta &layout);
@@ -294,10 +297,12 @@ private:
   void raiseDeferred();
   std::string deferredError_;
   uint64_t lastReply_ = 0; ///< The last frame whose reply was read (ClientFrame.received).
-  /// The fastest reply seen: a step out for less than this is in transit, not waiting on the
-  /// server.
-  std::chrono::steady_clock::duration rttMin_ = std::chrono::steady_clock::duration::max();
-  size_t maxInflight_ = 2;
+  /// The fastest a step's reply came: the link's round trip, the step's bytes on it and the
+  /// server's work, with no queue in front.
+  std::chrono::steady_clock::duration stepLatency_ = std::chrono::steady_clock::duration::max();
+  /// When the latest step replies were read: the rate at which server and link finish steps.
+  std::deque<std::chrono::steady_clock::time_point> stepReplies_;
+  size_t maxInflight_ = 4;
   [[noreturn]] void lose(const std::string &why);
   /// A download too large for one reply, one chunk per round trip.
   at::Tensor downloadInChunks(const DeviceData &data, const ir::TensorMeta &want);

@@ -53,6 +53,8 @@ public:
   uint64_t graphBudget() const { return graphBudget_; }
   uint64_t reconnects() const { return reconnects_; }
   const wire::Limits &limits() const { return limits_; }
+  /// The fastest Hello round trip seen: the link's own latency, without queues behind it.
+  std::chrono::steady_clock::duration roundTrip() const { return roundTrip_; }
 
   /// The sequence number for the next frame.
   uint64_t nextSeq() { return ++seq_; }
@@ -62,8 +64,10 @@ public:
   /// Waits for the server's reply to frame \p seq (or an error that ends the session). Replies
   /// to earlier frames that arrive first (frames whose replies nobody waited for) go to
   /// \p earlier, in order. After a resume the server may no longer have had that reply: then
-  /// the next later reply is returned instead.
-  net::Frame receive(uint64_t seq, const std::function<void(const net::Frame &)> &earlier);
+  /// the next later reply is returned instead. Without \p spin, it sleeps at once (a wait that
+  /// is not for a value: the CPU is better left to the server).
+  net::Frame receive(uint64_t seq, const std::function<void(const net::Frame &)> &earlier,
+                     bool spin = true);
   /// The next reply that has arrived, without waiting; false if none has. A dropped connection
   /// is resumed here as in receive().
   bool poll(net::Frame &out);
@@ -111,6 +115,7 @@ private:
   std::deque<std::pair<uint64_t, std::string>> kept_;
   uint64_t keptBytes_ = 0;
   int reconnectSeconds_ = 60;
+  std::chrono::steady_clock::duration roundTrip_ = std::chrono::steady_clock::duration::max();
 };
 
 } // namespace rgpu::client
