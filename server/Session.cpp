@@ -360,6 +360,26 @@ FrameOutcome Session::serve(const net::Frame &frame) {
             staged_ = at::Tensor();
         }
         break;
+      case wire::Command::RELEASE_RANGES: {
+        auto ranges = cmd.getReleaseRanges();
+        uint64_t total = 0;
+        bool ok = ranges.size() % 2 == 0;
+        for (size_t k = 1; ok && k < ranges.size(); k += 2)
+          ok = (total += std::min<uint64_t>(ranges[k], uint64_t(1) << 32)) <=
+               ctx_.limits().maxReleaseHandles;
+        if (!ok) {
+          fatal = "a Release of ranges that are not pairs or name more than " +
+                  std::to_string(ctx_.limits().maxReleaseHandles) + " handles";
+          break;
+        }
+        for (size_t k = 0; k < ranges.size(); k += 2)
+          for (uint64_t h = ranges[k], end = ranges[k] + ranges[k + 1]; h != end; ++h) {
+            tensors_.erase(h);
+            if (h == stagedHandle_)
+              staged_ = at::Tensor();
+          }
+        break;
+      }
       case wire::Command::SEED: {
         std::lock_guard<std::mutex> lock(generator_.mutex());
         generator_.set_current_seed(cmd.getSeed());
@@ -659,8 +679,57 @@ void Session::forget(capnp::List<wire::Hash>::Reader hashes) {
     graphBytes_ -= it->second->bytes;
     defined_.erase(it);
     used_.erase(hash);
+    lastRuns_.erase(hash);
     ++graphsForgotten_;
   }
+}
+
+std::string Session::runArgs(wire::Run::Reader r, const ir::Hash128 &hash, const ir::Graph &g,
+                             std::vector<uint64_t> &inputs,
+                             llvm::SmallVectorImpl<ir::ScalarValue> &scalars) {
+  auto table = r.getScalars();
+  if (!r.getRelative()) {
+    if (r.getInputs().size() != g.inputs.size() || table.size() != g.scalars.size())
+      return "the wrong number of inputs or scalars";
+    for (uint64_t h : r.getInputs())
+      inputs.push_back(h);
+    for (auto s : table)
+      scalars.push_back(wire::decodeScalar(s));
+  } else {
+    // Whatever goes wrong, the memory is dropped: a later relative Run fails too, loudly,
+    // instead of running on handles the two sides no longer agree on.
+    auto last = lastRuns_.find(hash);
+    if (last == lastRuns_.end())
+      return "relative to a run this session has not made";
+    LastRun previous = std::move(last->second);
+    lastRuns_.erase(last);
+    if (previous.inputs.size() != g.inputs.size() || previous.scalars.size() != g.scalars.size())
+      return "relative to a run of another shape";
+    auto deltas = r.getInputDeltas();
+    if (deltas.size() % 2)
+      return "input deltas are not (delta, count) pairs";
+    for (size_t k = 0; k < deltas.size(); k += 2) {
+      const uint64_t count = uint64_t(deltas[k + 1]);
+      if (count > g.inputs.size() - inputs.size())
+        return "more input deltas than inputs";
+      for (uint64_t j = 0; j < count; ++j)
+        inputs.push_back(previous.inputs[inputs.size()] + uint64_t(deltas[k]));
+    }
+    if (inputs.size() != g.inputs.size())
+      return "fewer input deltas than inputs";
+    scalars.assign(previous.scalars.begin(), previous.scalars.end());
+    auto slots = r.getChangedSlots();
+    auto values = r.getChangedValues();
+    if (slots.size() != values.size())
+      return "changed scalar slots and values differ in number";
+    for (size_t k = 0; k < slots.size(); ++k) {
+      if (slots[k] >= scalars.size() || values[k] >= table.size())
+        return "a changed scalar out of range";
+      scalars[slots[k]] = wire::decodeScalar(table[values[k]]);
+    }
+  }
+  lastRuns_[hash] = LastRun{inputs, {scalars.begin(), scalars.end()}};
+  return "";
 }
 
 void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas) {
@@ -686,10 +755,13 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     return;
   }
   const ir::Graph &g = plan->graph();
-  if (r.getInputs().size() != g.inputs.size() || r.getScalars().size() != g.scalars.size() ||
-      r.getNumOutputs() != g.outputs.size()) {
-    auto e = sessionError("run of graph " + hash.hex().substr(0, 12) +
-                           " has the wrong number of inputs, scalars or outputs");
+  std::vector<uint64_t> handles;
+  llvm::SmallVector<ir::ScalarValue, 8> scalars;
+  std::string argError = runArgs(r, hash, g, handles, scalars);
+  if (argError.empty() && r.getNumOutputs() != g.outputs.size())
+    argError = "the wrong number of outputs";
+  if (!argError.empty()) {
+    auto e = sessionError("run of graph " + hash.hex().substr(0, 12) + ": " + argError);
     fail(e);
     poisonAll(e, g.outputs.size());
     return;
@@ -714,7 +786,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   std::vector<Entry> inputs;
   inputs.reserve(g.inputs.size());
   for (size_t i = 0; i < g.inputs.size(); ++i) {
-    uint64_t h = r.getInputs()[i];
+    uint64_t h = handles[i];
     auto it = tensors_.find(h);
     if (it == tensors_.end()) {
       auto e = sessionError("unknown tensor handle " + std::to_string(h));
@@ -736,9 +808,6 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
       in.tensor = restride(in.tensor, m);
     inputs.push_back(std::move(in));
   }
-  llvm::SmallVector<ir::ScalarValue, 8> scalars;
-  for (auto s : r.getScalars())
-    scalars.push_back(wire::decodeScalar(s));
   std::vector<Entry> outputs;
   ++ctx_.graphRuns;
   GraphUse &use = used_[hash];

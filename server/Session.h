@@ -230,6 +230,17 @@ private:
   };
   /// What rgpu.server_stats() reports of the graphs this session holds.
   std::map<ir::Hash128, GraphUse> used_;
+  /// Per graph held, the inputs and scalars of its latest Run: a relative Run says what changed.
+  struct LastRun {
+    std::vector<uint64_t> inputs;
+    std::vector<ir::ScalarValue> scalars;
+  };
+  std::map<ir::Hash128, LastRun> lastRuns_;
+  /// The inputs and scalars of Run \p r of graph \p g (\p hash), whole or relative to the
+  /// previous run; an error message if they are not well formed.
+  std::string runArgs(wire::Run::Reader r, const ir::Hash128 &hash, const ir::Graph &g,
+                      std::vector<uint64_t> &inputs,
+                      llvm::SmallVectorImpl<ir::ScalarValue> &scalars);
   uint64_t runs_ = 0, executeNs_ = 0, compiledRuns_ = 0;
   std::vector<std::string> notes_; ///< For the client's log, sent with the next reply.
   void stats(wire::ServerStats::Builder out);

@@ -174,6 +174,7 @@ void Session::close() {
 void Session::reset() {
   Lock lock(*this);
   transport_.reset();
+  lastRuns_.clear();
   inflight_.clear();
   deferredError_.clear();
   lastReply_ = 0;
@@ -850,12 +851,7 @@ Session::Reply Session::flush(bool wantReply) {
     case wire::Command::RUN: {
       auto r = cb.initRun();
       wire::encodeHash(c.hash, r.initHash());
-      auto in = r.initInputs(c.handles.size());
-      for (size_t k = 0; k < c.handles.size(); ++k)
-        in.set(k, c.handles[k]);
-      auto sc = r.initScalars(c.scalars.size());
-      for (size_t k = 0; k < c.scalars.size(); ++k)
-        wire::encodeScalar(c.scalars[k], sc[k]);
+      encodeRunArgs(c, r);
       r.setFirstOutput(c.handle);
       r.setNumOutputs(c.count);
       r.setReplyMetas(c.replyMetas);
@@ -888,8 +884,10 @@ Session::Reply Session::flush(bool wantReply) {
     }
     case wire::Command::FORGET: {
       auto f = cb.initForget(c.hashes.size());
-      for (size_t k = 0; k < c.hashes.size(); ++k)
+      for (size_t k = 0; k < c.hashes.size(); ++k) {
         wire::encodeHash(c.hashes[k], f[k]);
+        lastRuns_.erase(c.hashes[k]); // the server forgets its latest run too
+      }
       break;
     }
     case wire::Command::SEED: cb.setSeed(c.handle); break;
@@ -899,10 +897,19 @@ Session::Reply Session::flush(bool wantReply) {
     }
   }
   if (!releases_.empty()) {
-    // Last: a handle released here may still be an input of a run in this very frame.
-    auto rel = cmds[queue_.size()].initRelease(releases_.size());
-    for (size_t k = 0; k < releases_.size(); ++k)
-      rel.set(k, releases_[k]);
+    // Last: a handle released here may still be an input of a run in this very frame. As
+    // ranges: a step releases the previous step's outputs, which have consecutive handles.
+    std::sort(releases_.begin(), releases_.end());
+    std::vector<uint64_t> ranges;
+    for (uint64_t h : releases_) {
+      if (!ranges.empty() && ranges[ranges.size() - 2] + ranges.back() == h)
+        ++ranges.back();
+      else if (ranges.empty() || ranges[ranges.size() - 2] + ranges.back() < h)
+        ranges.insert(ranges.end(), {h, 1});
+    }
+    auto rel = cmds[queue_.size()].initReleaseRanges(ranges.size());
+    for (size_t k = 0; k < ranges.size(); ++k)
+      rel.set(k, ranges[k]);
   }
   std::vector<Command> sent;
   sent.swap(queue_);
@@ -936,6 +943,68 @@ Session::Reply Session::flush(bool wantReply) {
   if (!results.error.empty())
     raise(ErrorKind::Remote, results.error);
   return results;
+}
+
+void Session::encodeRunArgs(const Command &c, wire::Run::Builder r) {
+  auto last = lastRuns_.find(c.hash);
+  if (last == lastRuns_.end() || last->second.inputs.size() != c.handles.size() ||
+      last->second.scalars.size() != c.scalars.size()) {
+    auto in = r.initInputs(c.handles.size());
+    for (size_t k = 0; k < c.handles.size(); ++k)
+      in.set(k, c.handles[k]);
+    auto sc = r.initScalars(c.scalars.size());
+    for (size_t k = 0; k < c.scalars.size(); ++k)
+      wire::encodeScalar(c.scalars[k], sc[k]);
+    lastRuns_[c.hash] = LastRun{c.handles, c.scalars};
+    return;
+  }
+  // Relative to the previous run of this graph: handles as runs of equal deltas (a step's
+  // inputs are the last step's outputs, all a fixed number of handles on), scalars as the
+  // slots that changed and a table of their distinct values (Adam's bias corrections change
+  // every step, one value for every parameter).
+  LastRun &prev = last->second;
+  r.setRelative(true);
+  std::vector<int64_t> deltas;
+  for (size_t k = 0; k < c.handles.size(); ++k) {
+    const int64_t d = int64_t(c.handles[k] - prev.inputs[k]);
+    if (!deltas.empty() && deltas[deltas.size() - 2] == d)
+      ++deltas.back();
+    else
+      deltas.insert(deltas.end(), {d, 1});
+  }
+  auto in = r.initInputDeltas(deltas.size());
+  for (size_t k = 0; k < deltas.size(); ++k)
+    in.set(k, deltas[k]);
+  std::vector<uint32_t> slots;
+  std::vector<uint16_t> values;
+  std::vector<ir::ScalarValue> table;
+  for (size_t k = 0; k < c.scalars.size(); ++k) {
+    if (sameBits(c.scalars[k], prev.scalars[k]))
+      continue;
+    auto it = std::find_if(table.begin(), table.end(),
+                           [&](const ir::ScalarValue &v) { return sameBits(v, c.scalars[k]); });
+    if (it == table.end()) {
+      if (table.size() == 0xffff) { // too varied to say briefly: the whole run instead
+        lastRuns_.erase(last);
+        r.setRelative(false);
+        r.initInputDeltas(0);
+        return encodeRunArgs(c, r);
+      }
+      it = table.insert(table.end(), c.scalars[k]);
+    }
+    slots.push_back(uint32_t(k));
+    values.push_back(uint16_t(it - table.begin()));
+  }
+  auto sc = r.initScalars(table.size());
+  for (size_t k = 0; k < table.size(); ++k)
+    wire::encodeScalar(table[k], sc[k]);
+  auto sl = r.initChangedSlots(slots.size());
+  auto vl = r.initChangedValues(values.size());
+  for (size_t k = 0; k < slots.size(); ++k) {
+    sl.set(k, slots[k]);
+    vl.set(k, values[k]);
+  }
+  prev = LastRun{c.handles, c.scalars};
 }
 
 Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint64_t ownSeq,

@@ -112,7 +112,15 @@ struct Run {
   replyMetas @4 :Bool;           # reply with the output metas (data-dependent shapes)
   numOutputs @5 :UInt32;         # lets the server poison the outputs of a graph it refused
   symbols @6 :List(Int64);       # the values of a symbolic graph's size symbols for this run
-}
+  # A steady training step runs the same graph on the previous step's outputs with mostly the
+  # same scalars. A relative Run says only what changed since this session's previous Run of
+  # the same graph (both sides remember its inputs and scalars; a Forget drops that memory):
+  relative @7 :Bool;
+  inputDeltas @8 :List(Int64);   # pairs (delta, count): the next count inputs are the previous
+                                 # run's handles plus delta; `inputs` is empty
+  changedSlots @9 :List(UInt32); # the scalar slots whose values changed...
+  changedValues @10 :List(UInt16); # ...each one's value, an index into `scalars`, which holds
+}                                  # the distinct new values
 
 struct Upload {
   handle @0 :UInt64;
@@ -142,6 +150,7 @@ struct Command {
     stats @8 :Void;      # answered with the server's counters
     forget @9 :List(Hash); # graphs this session no longer needs (see HelloReply.graphBudget)
     bye @10 :Void;       # the client is done: end the session now, keep nothing for a resume
+    releaseRanges @11 :List(UInt64); # pairs (first, count): releases handles first..first+count-1
   }
 }
 

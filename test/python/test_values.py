@@ -226,3 +226,25 @@ def test_prefetch_uploads_ahead_and_keeps_structure():
     assert seen == [([float(i)] * 2, i) for i in range(5)]
     with pytest.raises(ValueError):
         next(iter(rgpu.prefetch(loader, depth=0)))
+
+
+def test_a_steady_gpt_step_sends_under_a_kibibyte_besides_its_batch():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    from models import TinyGPT, gpt_batch, gpt_optimizer
+
+    torch.manual_seed(0)
+    model = TinyGPT().to(R)
+    opt, sched = gpt_optimizer(model, 10)
+    batches = [tuple(t.to(R) for t in gpt_batch(s)) for s in range(6)]  # uploaded up front
+    sent = []
+    for idx, tgt in batches:
+        before = rgpu.stats()["bytes_out"]
+        opt.zero_grad()
+        model(idx, tgt).backward()
+        opt.step()
+        sched.step()  # a new learning rate every step: changed scalars
+        sent.append(rgpu.stats()["bytes_out"] - before)
+    assert all(b <= 1024 for b in sent[2:]), sent

@@ -255,6 +255,14 @@ private:
     std::vector<ServerStats> stats;                 ///< Stats requests.
     std::string error;                              ///< A remote error, described.
   };
+  /// Per graph, the inputs and scalars of the latest Run sent: the next one says only what
+  /// changed (wire::Run.relative). The server keeps the same until a Forget.
+  struct LastRun {
+    std::vector<uint64_t> inputs;
+    std::vector<ir::ScalarValue> scalars;
+  };
+  std::map<ir::Hash128, LastRun> lastRuns_;
+  void encodeRunArgs(const Command &c, wire::Run::Builder r);
   /// Per Download of a frame, the data whose value it brings, in what layout (null data: an
   /// ordinary download).
   struct Target {
