@@ -235,12 +235,12 @@ def child(args):
         words = line.split()
         if words[0] == "run":
             waited = settle() if rgpu else 0.0
-            if args.workload.endswith("-ready"):
-                # settle() took in every reply: refill the pipeline of steps in flight first, so
-                # that the timed steps show the steady state, not a client running ahead.
-                for _ in range(PREROLL):
-                    step(timed)
             server_before = rgpu.server_stats() if rgpu else None
+            preroll = PREROLL if args.workload.endswith("-ready") else 0
+            # The waits above took in every reply: a pipelined loop first refills its steps in
+            # flight, so that the timed steps show the steady state, not a client running ahead.
+            for _ in range(preroll):
+                step(timed)
             before = rgpu.stats() if rgpu else None
             times = []
             for _ in range(int(words[1])):
@@ -254,8 +254,9 @@ def child(args):
                 server = rgpu.server_stats()
                 for k in keys:
                     totals[k] += after[k] - before[k]
-                for k in ("compiled_runs", "execute_ms"):
-                    totals[k] += server["session"][k] - server_before["session"][k]
+                for k in ("compiled_runs", "execute_ms"):  # per step, the preroll's included
+                    totals[k] += (server["session"][k] - server_before["session"][k]) * \
+                        int(words[1]) / (int(words[1]) + preroll)
                 overlapped = server["compiles_pending"] > 0 or \
                     server["inductor_compiles"] != server_before["inductor_compiles"]
             print(json.dumps({"times": times, "compile_wait_s": round(waited, 2),

@@ -1035,7 +1035,6 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
       answered = std::move(inflight_.front().targets);
       const auto now = std::chrono::steady_clock::now();
       if (inflight_.front().step && timed) {
-        stepLatency_ = std::min(stepLatency_, now - inflight_.front().sent);
         stepReplies_.push_back(now);
         if (stepReplies_.size() > 16)
           stepReplies_.pop_front();
@@ -1172,9 +1171,11 @@ void Session::boundInflight() {
   harvest();
   for (;;) {
     // Steps in transit: as many as finish, at the rate their replies have been coming, in the
-    // time an unqueued step takes to be answered (Little's law). The window grows from
-    // RGPU_MAX_INFLIGHT as that rate becomes known; a client that waits here reads replies as
-    // they come, which keeps the rate honest.
+    // time an unqueued step takes to be answered, the link's round trip and one step's
+    // service (Little's law). The round trip is the fastest Hello's, on an idle link: a
+    // latency measured under load would count the queue the window makes, and grow it. The
+    // window grows from RGPU_MAX_INFLIGHT as the rate becomes known; a client that waits here
+    // reads replies as they come, which keeps the rate honest.
     size_t window = maxInflight_;
     if (stepReplies_.size() >= 4) {
       // The median interval: replies taken in together (a harvest after a long trace) give
@@ -1184,7 +1185,8 @@ void Session::boundInflight() {
         gaps.push_back(stepReplies_[k] - stepReplies_[k - 1]);
       std::nth_element(gaps.begin(), gaps.begin() + gaps.size() / 2, gaps.end());
       auto interval = gaps[gaps.size() / 2];
-      window += interval.count() > 0 ? size_t(stepLatency_ / interval) : kMaxInFlightFrames;
+      window += interval.count() > 0 ? 1 + size_t(transport_.roundTrip() / interval)
+                                     : kMaxInFlightFrames;
     }
     size_t steps = 0;
     for (const InFlight &f : inflight_)

@@ -374,14 +374,22 @@ void Transport::recover(const std::string &why, Clock::time_point since) {
        std::to_string(reconnectSeconds_) + " s (RGPU_RECONNECT_SECONDS; " + last + ")");
 }
 
-void Transport::keepAnchor() {
+namespace {
+/// A frame numbered \p seq that asks for a reply to its one command, a Sync or a Bye.
+std::string controlFrame(uint64_t seq, bool bye) {
   capnp::MallocMessageBuilder b;
   auto frame = b.initRoot<wire::ClientFrame>();
-  const uint64_t seq = nextSeq();
   frame.setSeq(seq);
   frame.setWantReply(true);
-  frame.initCommands(1)[0].setSync();
-  std::string bytes = net::encodeFrame(b, true);
+  auto cmd = frame.initCommands(1)[0];
+  bye ? cmd.setBye() : cmd.setSync();
+  return net::encodeFrame(b, true);
+}
+} // namespace
+
+void Transport::keepAnchor() {
+  const uint64_t seq = nextSeq();
+  std::string bytes = controlFrame(seq, /*bye=*/false);
   keptBytes_ += bytes.size();
   kept_.emplace_back(seq, std::move(bytes));
 }
@@ -391,13 +399,8 @@ void Transport::close() {
     // The Bye waits (briefly) for its reply: a server that sees the connection end before it
     // has read the Bye would keep the session for a resume. Best effort: a lost Bye costs the
     // server the grace period, never this client more than a second.
-    capnp::MallocMessageBuilder b;
-    auto frame = b.initRoot<wire::ClientFrame>();
     const uint64_t seq = nextSeq();
-    frame.setSeq(seq);
-    frame.setWantReply(true);
-    frame.initCommands(1)[0].setBye();
-    if (socket_.sendAll(net::encodeFrame(b, true))) {
+    if (socket_.sendAll(controlFrame(seq, /*bye=*/true))) {
       auto until = Clock::now() + std::chrono::seconds(1);
       for (net::Frame reply; Clock::now() < until;) {
         int ms = int(std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now())

@@ -297,7 +297,7 @@ private:
   /// one wait for the server to catch up (counted apart).
   void awaitReply(uint64_t seq, bool throttle = false);
   /// Waits while more steps are unanswered than RGPU_MAX_INFLIGHT plus those in transit (the
-  /// fastest a step was ever answered, over the interval between step replies).
+  /// link's round trip and one step, over the interval between step replies).
   void boundInflight();
   /// Asks, in the next frame, for \p data's bytes in \p layout.
   void queueValue(const llvm::IntrusiveRefCntPtr<DeviceData> &data, const ir::TensorMeta &layout);
@@ -305,9 +305,6 @@ private:
   void raiseDeferred();
   std::string deferredError_;
   uint64_t lastReply_ = 0; ///< The last frame whose reply was read (ClientFrame.received).
-  /// The fastest a step's reply came: the link's round trip, the step's bytes on it and the
-  /// server's work, with no queue in front.
-  std::chrono::steady_clock::duration stepLatency_ = std::chrono::steady_clock::duration::max();
   /// When the latest step replies were read: the rate at which server and link finish steps.
   std::deque<std::chrono::steady_clock::time_point> stepReplies_;
   size_t maxInflight_ = 4;
