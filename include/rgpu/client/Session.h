@@ -307,7 +307,7 @@ private:
   uint64_t lastReply_ = 0; ///< The last frame whose reply was read (ClientFrame.received).
   /// When the latest step replies were read: the rate at which server and link finish steps.
   std::deque<std::chrono::steady_clock::time_point> stepReplies_;
-  size_t maxInflight_ = 4;
+  size_t maxInflight_ = 8;
   [[noreturn]] void lose(const std::string &why);
   /// A download too large for one reply, one chunk per round trip.
   at::Tensor downloadInChunks(const DeviceData &data, const ir::TensorMeta &want);
