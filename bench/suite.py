@@ -592,7 +592,7 @@ def plot(results, path):
                              linestyle="-" if w.endswith("-ready") else "--",
                              label=f"{w} {system[5:]}")
     axes[2].set_xlabel("round trip, ms (bench/relay.py, 100 Mbit/s)")
-    axes[2].set_ylabel("step time, ms (median)")
+    axes[2].set_ylabel("step time, ms")
     axes[2].set_title("Naive loops (.item() each step, dashed) and documented ones\n"
                       "(rgpu.on_ready + rgpu.prefetch, solid)")
     axes[2].legend(fontsize=7)
