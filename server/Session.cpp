@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstring>
 #include <iostream>
+#include <optional>
 
 C10_DECLARE_bool(caffe2_cpu_allocator_do_zero_fill);
 
@@ -688,6 +689,13 @@ std::string Session::runArgs(wire::Run::Reader r, const ir::Hash128 &hash, const
                              std::vector<uint64_t> &inputs,
                              llvm::SmallVectorImpl<ir::ScalarValue> &scalars) {
   auto table = r.getScalars();
+  // The previous run is forgotten whatever goes wrong here: a later relative Run then fails
+  // too, loudly, instead of running on handles the two sides no longer agree on.
+  std::optional<LastRun> previous;
+  if (auto last = lastRuns_.find(hash); last != lastRuns_.end()) {
+    previous = std::move(last->second);
+    lastRuns_.erase(last);
+  }
   if (!r.getRelative()) {
     if (r.getInputs().size() != g.inputs.size() || table.size() != g.scalars.size())
       return "the wrong number of inputs or scalars";
@@ -696,14 +704,9 @@ std::string Session::runArgs(wire::Run::Reader r, const ir::Hash128 &hash, const
     for (auto s : table)
       scalars.push_back(wire::decodeScalar(s));
   } else {
-    // Whatever goes wrong, the memory is dropped: a later relative Run fails too, loudly,
-    // instead of running on handles the two sides no longer agree on.
-    auto last = lastRuns_.find(hash);
-    if (last == lastRuns_.end())
+    if (!previous)
       return "relative to a run this session has not made";
-    LastRun previous = std::move(last->second);
-    lastRuns_.erase(last);
-    if (previous.inputs.size() != g.inputs.size() || previous.scalars.size() != g.scalars.size())
+    if (previous->inputs.size() != g.inputs.size() || previous->scalars.size() != g.scalars.size())
       return "relative to a run of another shape";
     auto deltas = r.getInputDeltas();
     if (deltas.size() % 2)
@@ -713,11 +716,11 @@ std::string Session::runArgs(wire::Run::Reader r, const ir::Hash128 &hash, const
       if (count > g.inputs.size() - inputs.size())
         return "more input deltas than inputs";
       for (uint64_t j = 0; j < count; ++j)
-        inputs.push_back(previous.inputs[inputs.size()] + uint64_t(deltas[k]));
+        inputs.push_back(previous->inputs[inputs.size()] + uint64_t(deltas[k]));
     }
     if (inputs.size() != g.inputs.size())
       return "fewer input deltas than inputs";
-    scalars.assign(previous.scalars.begin(), previous.scalars.end());
+    scalars.assign(previous->scalars.begin(), previous->scalars.end());
     auto slots = r.getChangedSlots();
     auto values = r.getChangedValues();
     if (slots.size() != values.size())

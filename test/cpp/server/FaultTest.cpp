@@ -649,6 +649,8 @@ TEST(Faults, RelativeRunsThatDisagreeAreErrorsAndForgetWhatTheyWereRelativeTo) {
            {relative(930, {}, {}, {}), "fewer input deltas than inputs"},
            {relative(930, {0, 1}, {3}, {0}), "a changed scalar out of range"},
            {relative(930, {0, 1}, {0}, {}), "slots and values differ in number"},
+           {[&](wire::Command::Builder c) { runIn(c, hash, {900, 900}, 930, 1); },
+            "wrong number of inputs or scalars"},
        }) {
     auto whole = bad.send(true, 1, [&](auto cmds) { runIn(cmds[0], hash, {900}, 940, 1); });
     ASSERT_TRUE(whole);
