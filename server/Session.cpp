@@ -355,11 +355,8 @@ FrameOutcome Session::serve(const net::Frame &frame) {
                   std::to_string(ctx_.limits().maxReleaseHandles);
           break;
         }
-        for (uint64_t h : cmd.getRelease()) {
-          tensors_.erase(h);
-          if (h == stagedHandle_)
-            staged_ = at::Tensor();
-        }
+        for (uint64_t h : cmd.getRelease())
+          release(h);
         break;
       case wire::Command::RELEASE_RANGES: {
         auto ranges = cmd.getReleaseRanges();
@@ -374,11 +371,8 @@ FrameOutcome Session::serve(const net::Frame &frame) {
           break;
         }
         for (size_t k = 0; k < ranges.size(); k += 2)
-          for (uint64_t h = ranges[k], end = ranges[k] + ranges[k + 1]; h != end; ++h) {
-            tensors_.erase(h);
-            if (h == stagedHandle_)
-              staged_ = at::Tensor();
-          }
+          for (uint64_t h = ranges[k], end = ranges[k] + ranges[k + 1]; h != end; ++h)
+            release(h);
         break;
       }
       case wire::Command::SEED: {
@@ -476,6 +470,12 @@ FrameOutcome Session::serve(const net::Frame &frame) {
     outcome.adopted = std::move(adopted_);
   }
   return outcome;
+}
+
+void Session::release(uint64_t handle) {
+  tensors_.erase(handle);
+  if (handle == stagedHandle_)
+    staged_ = at::Tensor();
 }
 
 void Session::keepReply(uint64_t seq, std::shared_ptr<const std::string> reply) {

@@ -201,6 +201,8 @@ private:
   uint64_t replyBytes_ = 0;
   /// Forgets the kept replies to frames up to \p seq.
   void dropReplies(uint64_t seq);
+  /// Drops the tensor bound to \p handle (and a download staged from it), if any.
+  void release(uint64_t handle);
   std::unique_ptr<Session> adopted_; ///< What this session's resume Hello found.
   uint64_t resumeFrom_ = 0;
   void fillHello(wire::HelloReply::Builder h, const std::string &serverMac);

@@ -535,13 +535,13 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
       impl->wantValue = false;
     }
     placed[{outs[k].node, outs[k].index}] = data;
-    // Small outputs come back with the run's reply, so reading them later costs no wait.
-    ir::TensorMeta layout = outs[k].impls.front()->downloadLayout();
-    const uint64_t bytes = layout.storageBytes();
+    // Small outputs come back with the run's reply, so reading them later costs no wait. (A
+    // download arrives dense: its bytes are the elements'.)
+    const uint64_t bytes = uint64_t(data->meta.numel()) * ir::dtype::itemSize(data->meta.dtype);
     if (wanted || (bytes <= kValueBytes && bytes <= valueBudget)) {
       if (!wanted)
         valueBudget -= bytes;
-      queueValue(data, layout);
+      queueValue(data, outs[k].impls.front()->downloadLayout());
     }
   }
   return placed;
@@ -900,11 +900,12 @@ Session::Reply Session::flush(bool wantReply) {
     // Last: a handle released here may still be an input of a run in this very frame. As
     // ranges: a step releases the previous step's outputs, which have consecutive handles.
     std::sort(releases_.begin(), releases_.end());
-    std::vector<uint64_t> ranges;
+    releases_.erase(std::unique(releases_.begin(), releases_.end()), releases_.end());
+    std::vector<uint64_t> ranges; // (first, count) pairs
     for (uint64_t h : releases_) {
       if (!ranges.empty() && ranges[ranges.size() - 2] + ranges.back() == h)
         ++ranges.back();
-      else if (ranges.empty() || ranges[ranges.size() - 2] + ranges.back() < h)
+      else
         ranges.insert(ranges.end(), {h, 1});
     }
     auto rel = cmds[queue_.size()].initReleaseRanges(ranges.size());
@@ -1238,12 +1239,6 @@ void Session::requestValue(LazyTensorImpl *impl) {
   queueValue(impl->value.data, impl->downloadLayout());
   if (!queue_.empty())
     flush(false);
-}
-
-void Session::poll() {
-  Lock lock(*this);
-  if (!lost())
-    harvest();
 }
 
 void Session::send() {

@@ -10,6 +10,7 @@ after every value it needs has arrived.
 import collections
 
 import torch
+from torch.utils._pytree import tree_map
 
 from . import _C
 
@@ -58,8 +59,6 @@ def deliver(wait: bool = False) -> None:
         return
     _delivering = True
     try:
-        if not wait:
-            _C.poll()
         while _waiting:
             fn, tensors = _waiting[0]
             if not wait and not all(_C.has_value(t) for t in tensors if _is_rgpu(t)):
@@ -79,14 +78,7 @@ def prefetch(batches, depth: int = 2, device="rgpu"):
         raise ValueError(f"rgpu.prefetch: depth must be at least 1, not {depth}")
 
     def move(item):
-        if isinstance(item, torch.Tensor):
-            return item.to(device)
-        if isinstance(item, (list, tuple)):
-            moved = [move(x) for x in item]
-            return type(item)(*moved) if hasattr(item, "_fields") else type(item)(moved)
-        if isinstance(item, dict):
-            return type(item)((k, move(v)) for k, v in item.items())
-        return item
+        return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, item)
 
     source = iter(batches)
     ahead = collections.deque()

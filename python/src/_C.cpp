@@ -137,7 +137,6 @@ PYBIND11_MODULE(_C, m) {
   };
   m.def("has_value", [impl](const at::Tensor &t) { return Session::get().hasValue(impl(t)); });
   m.def("request_value", [impl](const at::Tensor &t) { Session::get().requestValue(impl(t)); });
-  m.def("poll", []() { Session::get().poll(); }, py::call_guard<py::gil_scoped_release>());
   m.def("_set_max_inflight", [](size_t n) {
     Session &session = Session::get();
     Session::Lock lock(session);

@@ -120,8 +120,6 @@ public:
   /// with the reply to the cut that computes it, device data's in the reply to a Download sent
   /// now.
   void requestValue(LazyTensorImpl *impl);
-  /// Takes in the replies that have arrived, without waiting.
-  void poll();
   /// Sends what is queued (uploads) now, without cutting the trace or waiting.
   void send();
   /// How many steps may wait on the server (RGPU_MAX_INFLIGHT); returns the previous bound.
