@@ -248,3 +248,20 @@ def test_a_steady_gpt_step_sends_under_a_kibibyte_besides_its_batch():
         sched.step()  # a new learning rate every step: changed scalars
         sent.append(rgpu.stats()["bytes_out"] - before)
     assert all(b <= 1024 for b in sent[2:]), sent
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: x.conj() * 1,
+    lambda x: x.conj().imag,
+    lambda x: torch._neg_view(x) + 0,
+    lambda x: x[1:].conj(),
+    lambda x: x.expand(2, 2)[0] * 1j,
+], ids=["conj-mul", "conj-imag", "neg-view", "slice-conj", "expanded"])
+def test_values_of_math_bit_and_view_results_match_cpu(f):
+    a = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    expected, out = f(a), f(a.to(R))
+    rgpu.mark_step()
+    torch.rgpu.synchronize()
+    got = out.cpu()
+    torch.testing.assert_close(got.resolve_conj().resolve_neg(),
+                               expected.resolve_conj().resolve_neg(), rtol=0, atol=0)
