@@ -171,7 +171,7 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
       continue;
     }
     const at::Tensor &t = results[k];
-    if (!t.defined() || t.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
+    if (!t.defined() || t.sizes() != c10::IntArrayRef(m.sizes) ||
         t.scalar_type() != bridge::scalarType(m.dtype))
       throw std::runtime_error("the compiled graph's output " + std::to_string(k) +
                                " does not match " + m.str());

@@ -11,7 +11,13 @@
 namespace rgpu::server::memory {
 namespace {
 
-std::atomic<uint64_t> gLimit{0}, gHeld{0};
+std::atomic<uint64_t> gLimit{0}, gHeld{0}, gPeak{0};
+
+void raisePeak(std::atomic<uint64_t> &peak, uint64_t now) {
+  uint64_t seen = peak.load();
+  while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+  }
+}
 thread_local const std::shared_ptr<Account> *tCurrent = nullptr;
 
 /// What one live allocation was charged to, and how to free it underneath.
@@ -66,12 +72,9 @@ public:
       credit(account ? account->get() : nullptr, n);
       return inner;
     }
-    if (account) {
-      Account &a = **account;
-      uint64_t now = a.held.load(), peak = a.peak.load();
-      while (now > peak && !a.peak.compare_exchange_weak(peak, now)) {
-      }
-    }
+    raisePeak(gPeak, gHeld.load());
+    if (account)
+      raisePeak((*account)->peak, (*account)->held.load());
     c10::Device device = inner.device();
     c10::DeleterFnPtr deleter = inner.get_deleter();
     void *context = inner.release_context();
@@ -136,6 +139,8 @@ void install(uint64_t limit) {
 
 uint64_t limit() { return gLimit; }
 uint64_t held() { return gHeld; }
+uint64_t peak() { return gPeak; }
+void resetPeak() { gPeak = gHeld.load(); }
 
 Charge::Charge(const std::shared_ptr<Account> &account) : previous_(tCurrent) {
   tCurrent = &account;

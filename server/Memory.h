@@ -36,6 +36,9 @@ void install(uint64_t limit);
 /// The server's limit and the bytes charged to every account and to none.
 uint64_t limit();
 uint64_t held();
+/// The most held() has been since the start or the last resetPeak().
+uint64_t peak();
+void resetPeak();
 
 /// While a Charge lives, this thread's CPU allocations are charged to \p account.
 class Charge {

@@ -661,7 +661,7 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
   for (uint32_t v : graph_.outputs) {
     Entry e = values[v];
     const ir::TensorMeta &m = *metas[v];
-    if (!e.error && exactLayout && (e.tensor.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
+    if (!e.error && exactLayout && (e.tensor.sizes() != c10::IntArrayRef(m.sizes) ||
                                     e.tensor.scalar_type() != bridge::scalarType(m.dtype))) {
       // Only a value someone holds matters: an unused output of a kernel that disagrees with
       // its meta kernel (native_batch_norm's saved stats in eval mode) is harmless.

@@ -1,4 +1,5 @@
 #include "Session.h"
+#include "Device.h"
 #include "Policy.h"
 
 #include "rgpu/net/Auth.h"
@@ -77,6 +78,21 @@ void Context::deactivate(const std::string &id) {
   std::lock_guard<std::mutex> lock(parkMu_);
   active_.erase(id);
   parkCv_.notify_all();
+}
+
+void Context::loseDevice(const std::string &why) {
+  std::lock_guard<std::mutex> lock(lostMu_);
+  if (!deviceLost_) {
+    lostWhy_ = why;
+    deviceLost_ = true;
+  }
+}
+
+std::optional<std::string> Context::deviceLost() {
+  if (!deviceLost_)
+    return std::nullopt;
+  std::lock_guard<std::mutex> lock(lostMu_);
+  return lostWhy_;
 }
 
 void Context::park(std::unique_ptr<Session> session) {
@@ -231,6 +247,13 @@ Session::~Session() {
 }
 
 void Session::fail(ErrorPtr error) {
+  if (device::afterError(ctx_.device(), error->message)) {
+    ctx_.loseDevice(error->message);
+    auto lost = std::make_shared<RemoteError>(*error);
+    lost->message += "\n(the CUDA context cannot be used after this error: rgpu-opserver exits "
+                     "for its supervisor to restart it, and every session on it is lost)";
+    error = std::move(lost);
+  }
   if (!pending_)
     pending_ = std::move(error);
 }
@@ -383,6 +406,10 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       case wire::Command::STATS:
         results.push_back({wire::Result::STATS, nullptr, {}});
         break;
+      case wire::Command::MEMORY:
+        device::apply(ctx_.device(), cmd.getMemory());
+        results.push_back({wire::Result::MEMORY, nullptr, {}});
+        break;
       case wire::Command::SYNC:
         if (ctx_.device().is_cuda())
           at::detail::getCUDAHooks().deviceSynchronize(ctx_.device().index());
@@ -432,6 +459,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       break;
     }
     case wire::Result::STATS: stats(rs[i].initStats()); break;
+    case wire::Result::MEMORY: device::figures(ctx_.device(), rs[i].initMemory()); break;
     default: rs[i].setDone(); break;
     }
   }
@@ -799,7 +827,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     }
     Entry in = it->second;
     const ir::TensorMeta &m = sized ? *sized->metas[i] : g.inputs[i];
-    if (!in.error && (in.tensor.sizes() != llvm::ArrayRef<int64_t>(m.sizes) ||
+    if (!in.error && (in.tensor.sizes() != c10::IntArrayRef(m.sizes) ||
                       in.tensor.scalar_type() != bridge::scalarType(m.dtype))) {
       auto e = sessionError("tensor handle " + std::to_string(h) + " does not match input " +
                              std::to_string(i) + " " + m.str());
@@ -907,7 +935,9 @@ void Session::upload(wire::Upload::Reader r) {
     part->meta = meta;
     try {
       part->cpu = at::empty_strided(meta.sizes, meta.strides,
-                                    at::TensorOptions().dtype(bridge::scalarType(meta.dtype)));
+                                    at::TensorOptions()
+                                        .dtype(bridge::scalarType(meta.dtype))
+                                        .pinned_memory(device::pinned(ctx_.device())));
     } catch (const c10::Error &e) {
       // Over a quota, or out of memory: the upload's chunks are taken and dropped, and its
       // handle holds the error; the session goes on.
@@ -929,7 +959,7 @@ void Session::upload(wire::Upload::Reader r) {
   }
   Entry e;
   try {
-    e.tensor = ctx_.device().is_cpu() ? part->cpu : part->cpu.to(ctx_.device());
+    e.tensor = ctx_.device().is_cpu() ? part->cpu : device::toDevice(part->cpu, ctx_.device());
   } catch (const c10::Error &err) { // CUDA out of memory
     e.error = sessionError("upload of " + memory::sizeText(total) + " for handle " +
                            std::to_string(handle) + ": " + err.what_without_backtrace());
@@ -952,7 +982,7 @@ std::string Session::download(wire::Download::Reader r, uint64_t room, kj::Array
   }
   ir::TensorMeta meta;
   const at::Tensor &t = it->second.tensor;
-  if (!wire::decodeMeta(r.getMeta(), meta) || t.sizes() != llvm::ArrayRef<int64_t>(meta.sizes) ||
+  if (!wire::decodeMeta(r.getMeta(), meta) || t.sizes() != c10::IntArrayRef(meta.sizes) ||
       t.scalar_type() != bridge::scalarType(meta.dtype)) {
     fail(sessionError("download of handle " + std::to_string(handle) +
                        " asks for a layout that does not match the tensor"));
@@ -983,8 +1013,12 @@ std::string Session::download(wire::Download::Reader r, uint64_t room, kj::Array
   } else if (staged_.defined() && stagedHandle_ == handle && offset != 0) {
     cpu = staged_;
   } else {
-    cpu = at::empty_strided(meta.sizes, meta.strides, at::TensorOptions().dtype(t.scalar_type()));
-    cpu.copy_(t);
+    cpu = at::empty_strided(meta.sizes, meta.strides,
+                            at::TensorOptions().dtype(t.scalar_type()).pinned_memory(device::pinned(t.device())));
+    if (t.device().is_cpu())
+      cpu.copy_(t);
+    else
+      device::toHost(t, cpu);
     if (offset + length < total) {
       stagedHandle_ = handle;
       staged_ = cpu;

@@ -24,6 +24,7 @@
 #include <list>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 namespace rgpu::server {
@@ -94,10 +95,18 @@ public:
   std::atomic<uint64_t> connectionsOpen{0}, connectionsRefused{0};
   size_t graphsCached();
 
+  /// A CUDA error that no later call survives (server/Device.h): the first one's message is
+  /// kept, and the I/O loop exits the server once the failing session's reply is out.
+  void loseDevice(const std::string &why);
+  std::optional<std::string> deviceLost();
+
 private:
   at::Device device_;
   wire::Limits limits_;
   std::unique_ptr<Compiler> compiler_;
+  std::atomic<bool> deviceLost_{false};
+  std::mutex lostMu_;
+  std::string lostWhy_;
   std::mutex mu_;
   /// Every plan some session or the cache holds (under mu_).
   std::map<ir::Hash128, std::weak_ptr<const Plan>> plans_;

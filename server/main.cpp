@@ -8,6 +8,7 @@
 // its uid, a TCP peer by answering a challenge with the token (rgpu/net/Auth.h).
 //
 //===----------------------------------------------------------------------===//
+#include "Device.h"
 #include "Policy.h"
 #include "Session.h"
 
@@ -43,7 +44,10 @@ Serves rgpu clients: receives lazy graphs once, runs them on this machine's devi
 
 options:
   --device cuda|cpu      device to run on (default: cuda if available, else cpu);
-                         exits with an error if the device is unusable
+                         exits with an error if the device is unusable. CUDA out of
+                         memory fails that op (the allocator's cache is emptied); an
+                         error CUDA cannot recover from (a device-side assert) fails
+                         that run, then the server exits with status 75 to be restarted
   --socket PATH          the Unix-domain socket to listen on (default, when neither
                          --port nor --bind is given: $XDG_RUNTIME_DIR/rgpu/opserver.sock,
                          else ~/.rgpu/opserver.sock). Its directory is made private to
@@ -245,6 +249,7 @@ struct Server {
   std::string token;      ///< for TCP peers; empty if there is no TCP listener
   uv_async_t wake;
   uv_timer_t ticker; ///< heartbeats, and parked sessions whose grace passed
+  uv_timer_t exitTimer; ///< started once the CUDA context is lost
   uv_signal_t sigint, sigterm;
   std::unique_ptr<Context> ctx;
   ConnectionLimits limits;
@@ -670,8 +675,28 @@ void onConnection(uv_stream_t *stream, int status) {
   }
 }
 
+/// Ends the server the way SIGTERM does: running compiles killed, the socket removed.
+[[noreturn]] void shutDown(Server *server, int status) {
+  if (Compiler *c = server->ctx->compiler())
+    c->shutdown();
+  if (!server->socketPath.empty())
+    unlink(server->socketPath.c_str());
+  std::_Exit(status);
+}
+
+void onDeviceLost(uv_timer_t *t) {
+  auto *server = static_cast<Server *>(t->data);
+  log("exiting with status " + std::to_string(device::kExitDeviceLost) + " for a supervisor to "
+      "restart the server: the CUDA context cannot be used after: " +
+      server->ctx->deviceLost().value_or(""));
+  shutDown(server, device::kExitDeviceLost);
+}
+
 void onWake(uv_async_t *handle) {
   auto *server = static_cast<Server *>(handle->data);
+  // The CUDA context is lost: the failing session's reply (in this batch) goes out first.
+  if (server->ctx->deviceLost() && !uv_is_active(reinterpret_cast<uv_handle_t *>(&server->exitTimer)))
+    uv_timer_start(&server->exitTimer, onDeviceLost, 200, 0);
   std::deque<Outgoing> batch;
   {
     std::lock_guard<std::mutex> lock(server->outMu);
@@ -727,11 +752,7 @@ void onSignal(uv_signal_t *handle, int signum) {
   auto *server = static_cast<Server *>(handle->data);
   // Sessions hold only in-memory state. Compiles in flight are killed and their temporary files
   // removed, so the cache holds only whole artifacts.
-  if (Compiler *c = server->ctx->compiler())
-    c->shutdown();
-  if (!server->socketPath.empty())
-    unlink(server->socketPath.c_str());
-  std::_Exit(0);
+  shutDown(server, 0);
 }
 
 /// Listens on the Unix-domain socket \p path, in a directory only this user can open. A socket
@@ -999,6 +1020,8 @@ int main(int argc, char **argv) {
   }
   uv_async_init(server.loop, &server.wake, onWake);
   server.wake.data = &server;
+  uv_timer_init(server.loop, &server.exitTimer);
+  server.exitTimer.data = &server;
   uv_timer_init(server.loop, &server.ticker);
   server.ticker.data = &server;
   uv_timer_start(&server.ticker, onTick, kHeartbeatMs, kHeartbeatMs);

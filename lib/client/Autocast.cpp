@@ -49,11 +49,10 @@ TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&passThrough>());
 }
 
-// The op lists spell their signatures with ATen's unqualified names.
-using at::IntArrayRef;
-using at::Scalar;
-using at::ScalarType;
-using at::Tensor;
+// The op lists spell their signatures with ATen's unqualified names (which names depends on
+// the torch version), so they are registered from inside namespace at, as ATen's own are.
+namespace at::autocast {
+namespace {
 
 #define ADD_NS(RAW_OP) at::RAW_OP
 #define RGPU_LOWER_PRECISION(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
@@ -69,3 +68,6 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
   AT_FORALL_PROMOTE(RGPU_PROMOTE)
   m.impl(TORCH_SELECTIVE_NAME("aten::binary_cross_entropy"), TORCH_FN(binaryCrossEntropyRefused));
 }
+
+} // namespace
+} // namespace at::autocast

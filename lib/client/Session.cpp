@@ -807,6 +807,19 @@ Session::ServerStats Session::serverStats() {
   return reply.stats.back();
 }
 
+Session::DeviceMemory Session::deviceMemory(bool resetPeak, bool emptyCache) {
+  Lock lock(*this);
+  cut("memory figures");
+  Command c;
+  c.kind = wire::Command::MEMORY;
+  c.count = (resetPeak ? 1 : 0) | (emptyCache ? 2 : 0);
+  queue(std::move(c));
+  Reply reply = flush(true);
+  if (reply.memory.empty())
+    lose("the server did not answer a memory request");
+  return reply.memory.back();
+}
+
 Session::Reply Session::flush(bool wantReply) {
   if (lost())
     raise(ErrorKind::SessionLost, transport_.lostReason());
@@ -892,6 +905,12 @@ Session::Reply Session::flush(bool wantReply) {
     }
     case wire::Command::SEED: cb.setSeed(c.handle); break;
     case wire::Command::STATS: cb.setStats(); break;
+    case wire::Command::MEMORY: {
+      auto m = cb.initMemory();
+      m.setResetPeak(c.count & 1);
+      m.setEmptyCache(c.count & 2);
+      break;
+    }
     case wire::Command::SYNC: cb.setSync(); break;
     default: break;
     }
@@ -1109,6 +1128,14 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
                                 g.getExecuteNs(), g.getBuildNs(), g.getExecutor(),
                                 g.getCompiledRuns()});
         results.stats.push_back(std::move(out));
+        break;
+      }
+      case wire::Result::MEMORY: {
+        auto m = r.getMemory();
+        results.memory.push_back({m.getDevice(), m.getName(), m.getAllocated(),
+                                  m.getAllocatedPeak(), m.getReserved(), m.getReservedPeak(),
+                                  m.getFree(), m.getTotal(), m.getMultiProcessors(),
+                                  m.getMajor(), m.getMinor()});
         break;
       }
       default: break;

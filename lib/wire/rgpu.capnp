@@ -151,7 +151,30 @@ struct Command {
     forget @9 :List(Hash); # graphs this session no longer needs (see HelloReply.graphBudget)
     bye @10 :Void;       # the client is done: end the session now, keep nothing for a resume
     releaseRanges @11 :List(UInt64); # pairs (first, count): releases handles first..first+count-1
+    memory @12 :MemoryRequest; # answered with the server device's DeviceMemory
   }
+}
+
+# torch.rgpu's memory functions. The figures are the whole server process's, as torch.cuda's
+# are the whole process's: on CUDA those of its caching allocator; on a CPU server the bytes
+# every session holds (server/Memory.h) and the machine's physical memory.
+struct MemoryRequest {
+  resetPeak @0 :Bool;    # reset_peak_memory_stats, before the figures are taken
+  emptyCache @1 :Bool;   # empty_cache: cached blocks no tensor uses go back to the device
+}
+
+struct DeviceMemory {
+  device @0 :Text;               # "cuda:0", "cpu"
+  name @1 :Text;                 # "NVIDIA H200"; a CPU server's processor
+  allocated @2 :UInt64;          # bytes in tensors
+  allocatedPeak @3 :UInt64;      # since start or the last resetPeak
+  reserved @4 :UInt64;           # bytes the allocator holds (cached blocks included)
+  reservedPeak @5 :UInt64;
+  free @6 :UInt64;               # the device's free bytes, as cudaMemGetInfo says
+  total @7 :UInt64;
+  multiProcessors @8 :UInt32;    # a CPU server's cores
+  major @9 :UInt32;              # compute capability; 0 on a CPU
+  minor @10 :UInt32;
 }
 
 struct ClientFrame {
@@ -201,6 +224,7 @@ struct Result {
     metas @2 :List(TensorMeta);    # a Run with replyMetas
     done @3 :Void;                 # a Sync
     stats @4 :ServerStats;         # a Stats
+    memory @5 :DeviceMemory;       # a MemoryRequest
   }
 }
 
@@ -253,7 +277,8 @@ struct ServerStats {
 
 struct ServerFrame {
   ackSeq @0 :UInt64;
-  results @1 :List(Result);    # one per Hello, Download, Sync and replyMetas Run, in order
+  results @1 :List(Result);    # one per Hello, Download, Sync, Stats, MemoryRequest and
+                               # replyMetas Run, in order
   error @2 :Error;             # the first error since the last reply; absent if none
   notes @3 :List(Text);        # what the server wants the user to know (compiles); logged
   challenge @4 :Challenge;     # only in the first frame of a TCP connection

@@ -1,5 +1,7 @@
 """``torch.rgpu``: the device module, shaped like ``torch.cuda``."""
 
+from dataclasses import dataclass
+
 import torch
 
 from . import _C
@@ -18,10 +20,16 @@ def current_device() -> int:
     return 0
 
 
-def set_device(device) -> None:
+def _check(device) -> None:
+    if device is None:
+        return
     index = torch.device("rgpu", device).index if isinstance(device, int) else torch.device(device).index
     if index not in (None, 0):
         raise ValueError(f"rgpu has one device (rgpu:0), not rgpu:{index}")
+
+
+def set_device(device) -> None:
+    _check(device)
 
 
 def synchronize(device=None) -> None:
@@ -44,3 +52,94 @@ def get_amp_supported_dtype():
 
 def _is_in_bad_fork() -> bool:
     return False
+
+
+# Memory and device facts, answered by the server for its device. As torch.cuda's figures are
+# the whole process's, these are the whole server's (every session's tensors): on CUDA its
+# caching allocator's; on a CPU server the bytes all sessions hold and the machine's memory
+# under --memory-limit. Each call runs what is pending first (so its tensors are counted) and
+# costs one round trip.
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What ``torch.cuda.get_device_properties`` gives, for the server's device. ``type`` is
+    ``"cuda"`` or ``"cpu"``; a CPU server reports its cores as ``multi_processor_count`` and a
+    compute capability of 0.0."""
+
+    name: str
+    type: str
+    total_memory: int
+    multi_processor_count: int
+    major: int
+    minor: int
+
+
+def _memory(device=None, reset_peak=False, empty_cache=False) -> dict:
+    _check(device)
+    return _C.device_memory(reset_peak, empty_cache)
+
+
+def memory_allocated(device=None) -> int:
+    """Bytes the server's device holds in tensors."""
+    return _memory(device)["allocated"]
+
+
+def max_memory_allocated(device=None) -> int:
+    """The most ``memory_allocated`` has been since the server started or the last
+    ``reset_peak_memory_stats``."""
+    return _memory(device)["allocated_peak"]
+
+
+def memory_reserved(device=None) -> int:
+    """Bytes the server's allocator holds, cached blocks included."""
+    return _memory(device)["reserved"]
+
+
+def max_memory_reserved(device=None) -> int:
+    return _memory(device)["reserved_peak"]
+
+
+def memory_stats(device=None) -> dict:
+    """The keys of ``torch.cuda.memory_stats`` that rgpu knows."""
+    m = _memory(device)
+    return {
+        "allocated_bytes.all.current": m["allocated"],
+        "allocated_bytes.all.peak": m["allocated_peak"],
+        "reserved_bytes.all.current": m["reserved"],
+        "reserved_bytes.all.peak": m["reserved_peak"],
+    }
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    _memory(device, reset_peak=True)
+
+
+def reset_max_memory_allocated(device=None) -> None:
+    reset_peak_memory_stats(device)
+
+
+def empty_cache() -> None:
+    """Gives the server allocator's cached blocks that no tensor uses back to the device."""
+    _memory(empty_cache=True)
+
+
+def mem_get_info(device=None) -> tuple:
+    """(free, total) bytes of the server's device."""
+    m = _memory(device)
+    return m["free"], m["total"]
+
+
+def get_device_properties(device=None) -> DeviceProperties:
+    m = _memory(device)
+    return DeviceProperties(m["name"], m["device"].split(":")[0], m["total"],
+                            m["multi_processors"], m["major"], m["minor"])
+
+
+def get_device_name(device=None) -> str:
+    return _memory(device)["name"]
+
+
+def get_device_capability(device=None) -> tuple:
+    m = _memory(device)
+    return m["major"], m["minor"]

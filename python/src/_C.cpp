@@ -263,6 +263,26 @@ PYBIND11_MODULE(_C, m) {
     out["sites"] = sites;
     return out;
   });
+  m.def("device_memory", [](bool resetPeak, bool emptyCache) {
+    Session::DeviceMemory mem;
+    {
+      py::gil_scoped_release release;
+      mem = Session::get().deviceMemory(resetPeak, emptyCache);
+    }
+    py::dict out;
+    out["device"] = mem.device;
+    out["name"] = mem.name;
+    out["allocated"] = mem.allocated;
+    out["allocated_peak"] = mem.allocatedPeak;
+    out["reserved"] = mem.reserved;
+    out["reserved_peak"] = mem.reservedPeak;
+    out["free"] = mem.free;
+    out["total"] = mem.total;
+    out["multi_processors"] = mem.multiProcessors;
+    out["major"] = mem.major;
+    out["minor"] = mem.minor;
+    return out;
+  }, py::arg("reset_peak") = false, py::arg("empty_cache") = false);
   m.def("server_stats", []() {
     Session::ServerStats st;
     {

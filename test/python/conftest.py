@@ -40,9 +40,11 @@ class Server:
         # would compete for this machine's cores with every other test.
         if "--compiler" not in args:
             args = ("--compiler", "plan", *args)
+        if "--device" not in args:
+            args = ("--device", "cpu", *args)
         where = [] if socket == "default" else ["--socket", socket] if socket else ["--port", "0"]
         self.proc = subprocess.Popen(
-            [opserver_path(), "--device", "cpu", *where, *args],
+            [opserver_path(), *where, *args],
             env=dict(os.environ, **(env or {})),
             preexec_fn=preexec_fn,
             stderr=subprocess.PIPE,

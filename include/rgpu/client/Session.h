@@ -151,6 +151,14 @@ public:
     std::vector<Graph> graphs;
   };
   ServerStats serverStats();
+  /// The server device's memory figures and properties (torch.rgpu.memory_allocated and the
+  /// rest). Runs what is pending first, so that its tensors are counted; one round trip.
+  struct DeviceMemory {
+    std::string device, name;
+    uint64_t allocated = 0, allocatedPeak = 0, reserved = 0, reservedPeak = 0, free = 0, total = 0;
+    uint32_t multiProcessors = 0, major = 0, minor = 0;
+  };
+  DeviceMemory deviceMemory(bool resetPeak = false, bool emptyCache = false);
 
   void release(uint64_t handle);
   /// Raises SessionLost if \p v is data of a session that reset() ended.
@@ -251,6 +259,7 @@ private:
     std::vector<std::string> data;                  ///< Downloads (besides values).
     std::vector<std::vector<ir::TensorMeta>> metas; ///< Runs of data-dependent ops.
     std::vector<ServerStats> stats;                 ///< Stats requests.
+    std::vector<DeviceMemory> memory;               ///< Memory requests.
     std::string error;                              ///< A remote error, described.
   };
   /// Per graph, the inputs and scalars of the latest Run sent: the next one says only what

@@ -1,0 +1,32 @@
+# libtorch from the folders of Python's torch package (-DRGPU_TORCH_FROM_PYTHON=ON), for a
+# machine whose torch is a CUDA build but whose CUDA toolkit does not satisfy TorchConfig.cmake:
+# rgpu compiles no CUDA code, so it needs only torch's headers and shared libraries. Sets what
+# find_package(Torch) sets and this build uses: TORCH_LIBRARIES and TORCH_INSTALL_PREFIX.
+execute_process(
+  COMMAND "${Python3_EXECUTABLE}" -c
+          "import os, torch; print(os.path.dirname(torch.__file__)); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.__version__)"
+  OUTPUT_VARIABLE _torch RESULT_VARIABLE _rc ERROR_QUIET OUTPUT_STRIP_TRAILING_WHITESPACE)
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "RGPU_TORCH_FROM_PYTHON: ${Python3_EXECUTABLE} cannot import torch")
+endif()
+string(REPLACE "\n" ";" _torch "${_torch}")
+list(GET _torch 0 TORCH_INSTALL_PREFIX)
+list(GET _torch 1 _abi)
+list(GET _torch 2 _version)
+
+set(_lib "${TORCH_INSTALL_PREFIX}/lib")
+add_library(rgpu_torch INTERFACE)
+target_include_directories(rgpu_torch SYSTEM INTERFACE "${TORCH_INSTALL_PREFIX}/include"
+                           "${TORCH_INSTALL_PREFIX}/include/torch/csrc/api/include")
+target_compile_definitions(rgpu_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${_abi})
+target_link_libraries(rgpu_torch INTERFACE "${_lib}/libtorch.so" "${_lib}/libtorch_cpu.so"
+                      "${_lib}/libc10.so")
+# A CUDA build: the server must load torch_cuda even though it names none of its symbols, or
+# at::globalContext().hasCUDA() is false.
+if(EXISTS "${_lib}/libtorch_cuda.so")
+  target_link_libraries(rgpu_torch INTERFACE "-Wl,--no-as-needed,${_lib}/libtorch_cuda.so"
+                        "${_lib}/libc10_cuda.so")
+endif()
+list(APPEND CMAKE_BUILD_RPATH "${_lib}")
+set(TORCH_LIBRARIES rgpu_torch)
+message(STATUS "libtorch ${_version} from ${TORCH_INSTALL_PREFIX}")

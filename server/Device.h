@@ -1,0 +1,52 @@
+//===- server/Device.h - The device's name, properties and memory figures -===//
+//
+// What torch.rgpu's memory functions and get_device_name/get_device_properties read, answered
+// for the server's device. On CUDA the figures are the caching allocator's and the driver's,
+// for the whole server process (as torch.cuda's are for the whole process). A CPU server
+// answers with the bytes all sessions hold (server/Memory.h, peak included), the machine's
+// physical memory under --memory-limit, and its processor.
+//
+//===----------------------------------------------------------------------===//
+#pragma once
+
+#include "rgpu/wire/Wire.h"
+
+#include <c10/core/Device.h>
+
+#include <string>
+
+namespace at {
+class Tensor;
+}
+
+namespace rgpu::server::device {
+
+/// Resets the peaks and empties the allocator's cache of \p dev, as far as \p request asks.
+void apply(c10::Device dev, wire::MemoryRequest::Reader request);
+/// Fills \p out with the figures of \p dev.
+void figures(c10::Device dev, wire::DeviceMemory::Builder out);
+
+/// Host memory for a transfer to or from \p dev: pinned for a CUDA device (the copy engine
+/// reads it directly, without a bounce through pageable memory).
+bool pinned(c10::Device dev);
+
+/// \p host (pinned) copied to \p dev on the server's copy stream, which runs beside the
+/// kernels already queued; the kernels that use the result wait for the copy, and nothing else
+/// does.
+at::Tensor toDevice(const at::Tensor &host, c10::Device dev);
+
+/// \p t copied into \p host (pinned, laid out as the client asked) on the copy stream, after
+/// the kernels that computed \p t, but not the ones queued after them; returns when the bytes
+/// are there.
+void toHost(const at::Tensor &t, const at::Tensor &host);
+
+/// What a failed op's error means for the device. CUDA's out-of-memory error empties the
+/// caching allocator (memory the failed run's freed tensors left cached goes back to the
+/// device, for this session and the others). An error that leaves the CUDA context unusable
+/// (a device-side assert, an illegal address) returns true: the server must exit.
+bool afterError(c10::Device dev, const std::string &message);
+
+/// The exit status of a server whose CUDA context is lost: a supervisor restarts it.
+constexpr int kExitDeviceLost = 75;
+
+} // namespace rgpu::server::device

@@ -1,0 +1,67 @@
+"""torch.rgpu's memory and device functions, shaped like torch.cuda's and answered by the server
+(here a CPU server: the bytes its sessions hold, its memory limit, its processor). test_cuda.py
+checks them against torch.cuda on a CUDA server."""
+
+import pytest
+import torch
+from conftest import Server, run_client
+
+import rgpu
+
+
+def test_allocated_follows_the_tensors_of_the_session():
+    before = torch.rgpu.memory_allocated()
+    x = torch.ones(1024, 1024, device="rgpu")  # counted although still pending: it is run first
+    held = torch.rgpu.memory_allocated()
+    assert held - before >= 4 << 20
+    assert torch.rgpu.memory_reserved() >= held
+    assert torch.rgpu.max_memory_allocated() >= held
+    stats = torch.rgpu.memory_stats()
+    assert stats["allocated_bytes.all.current"] == held
+    del x
+    assert torch.rgpu.memory_allocated() == before
+
+
+def test_peak_and_its_reset():
+    torch.rgpu.reset_peak_memory_stats()
+    base = torch.rgpu.max_memory_allocated()
+    assert base == torch.rgpu.memory_allocated()
+    y = torch.zeros(2048, 1024, device="rgpu")
+    y.sum().item()
+    del y
+    assert torch.rgpu.max_memory_allocated() >= base + (8 << 20)
+    assert torch.rgpu.memory_allocated() < base + (8 << 20)
+    torch.rgpu.reset_peak_memory_stats()
+    assert torch.rgpu.max_memory_allocated() == torch.rgpu.memory_allocated()
+    torch.rgpu.empty_cache()  # nothing cached on a CPU server, and no error
+
+
+def test_device_properties_and_info():
+    props = torch.rgpu.get_device_properties()
+    assert props.type == "cpu"
+    assert props.name == torch.rgpu.get_device_name() and props.name
+    assert props.multi_processor_count >= 1
+    assert torch.rgpu.get_device_capability() == (0, 0)
+    free, total = torch.rgpu.mem_get_info()
+    assert 0 < free <= total == props.total_memory
+    assert torch.rgpu.get_device_properties("rgpu:0") == props
+    with pytest.raises(ValueError, match="rgpu:1"):
+        torch.rgpu.memory_allocated(1)
+
+
+def test_a_memory_limit_is_the_total_and_counts_every_session():
+    s = Server("--memory-limit", "256MiB")
+    try:
+        code = """
+import torch, rgpu
+x = torch.ones(16, 1024, 1024, device="rgpu")
+free, total = torch.rgpu.mem_get_info()
+print(total, free, torch.rgpu.memory_allocated())
+"""
+        r = run_client(s.address, code)
+        assert r.returncode == 0, r.stderr
+        total, free, allocated = map(int, r.stdout.split())
+        assert total == 256 << 20
+        assert allocated >= 64 << 20 and free <= total - (64 << 20)
+    finally:
+        s.stop()

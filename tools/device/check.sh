@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU check, one command on a machine with CUDA, torch, cmake and ninja but none of our
+# Debian packages: builds rgpu (client extension and rgpu-opserver) against that machine's
+# torch from the folder tools/device/make-deps.sh made, runs the GPU tests and the GPU
+# benchmark, and writes check.log, tests.xml and figures.json to $OUT (default device-out/).
+#
+#   tools/device/make-deps.sh          # here, once: .device-deps (ignored by git)
+#   tools/device/check.sh [--quick]    # there, from the repository root, with .device-deps
+#
+# --quick: the benchmark's small shapes. Each stage has a time limit, so that a slow stage
+# still leaves the others' results.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$repo"
+out=${OUT:-$repo/device-out}
+deps=${RGPU_DEPS_DIR:-$repo/.device-deps}
+py=$(command -v "${PYTHON:-python3}")
+quick=()
+[ "${1:-}" = "--quick" ] && quick=(--quick)
+mkdir -p "$out"
+exec > >(tee "$out/check.log") 2>&1
+step() { echo "== $(date +%T) $*"; }
+status=0
+
+step machine
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+"$py" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
+
+step build
+export PYTHONPATH="$repo/python${PYTHONPATH:+:$PYTHONPATH}"
+timeout 600 cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DRGPU_DEPS_DIR="$deps" \
+  -DRGPU_TORCH_FROM_PYTHON=ON -DRGPU_BUILD_TESTS=OFF -DPython3_EXECUTABLE="$py" >/dev/null &&
+  timeout 600 cmake --build build-device || { echo "check: the build failed"; exit 1; }
+# The compile worker of --compiler inductor runs under this Python.
+export RGPU_PYTHON="$py" PYTHONUNBUFFERED=1
+
+step tests
+timeout "${RGPU_CHECK_TEST_SECONDS:-300}" "$py" -m pytest -q -p no:cacheprovider \
+  --junitxml="$out/tests.xml" test/python/test_cuda.py test/python/test_memory.py || status=1
+
+step bench
+timeout "${RGPU_CHECK_BENCH_SECONDS:-420}" "$py" bench/gpu.py --json "$out/figures.json" "${quick[@]}" || status=1
+step "done (status $status)"
+exit $status
