@@ -23,7 +23,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "examples"))
-SYSTEMS = ("eager", "compile", "rgpu-plan", "rgpu-inductor")
+SYSTEMS = ("eager", "rgpu-plan", "compile", "rgpu-inductor")
 
 
 def workload(name, device, quick):
@@ -158,7 +158,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--quick", action="store_true", help="smaller batches, fewer steps")
-    ap.add_argument("--workloads", default="gpt2,cnn")
+    ap.add_argument("--workloads", default="cnn,gpt2")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
