@@ -56,7 +56,7 @@ def _register_tensor_lr_metas():
         def meta(*args, _mutated=mutated, **kwargs):
             return tuple([torch.empty_like(t) for t in ts] for ts in args[:_mutated])
 
-        _meta_lib.impl(functional.tensor_lr, meta, "Meta")
+        _meta_lib.impl(functional.tensor_lr, meta, "Meta", allow_override=True)
 
 
 def install():

@@ -88,4 +88,4 @@ def memoize_inplace_meta_checks():
                 # run every time: skipping them would leave the metadata unchanged.
                 if torch.Tag.inplace_view in op.tags or name.startswith(("resize", "set_")):
                     continue
-                _lib.impl(op, _memoized(fn))
+                _lib.impl(op, _memoized(fn), allow_override=True)

@@ -35,10 +35,10 @@ timeout 600 cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DRGP
 export RGPU_PYTHON="$py" PYTHONUNBUFFERED=1
 
 step tests
-timeout "${RGPU_CHECK_TEST_SECONDS:-240}" "$py" -m pytest -q -p no:cacheprovider \
+timeout "${RGPU_CHECK_TEST_SECONDS:-180}" "$py" -m pytest -q -p no:cacheprovider \
   --junitxml="$out/tests.xml" test/python/test_cuda.py test/python/test_memory.py || status=1
 
 step bench
-timeout "${RGPU_CHECK_BENCH_SECONDS:-330}" "$py" bench/gpu.py --json "$out/figures.json" "${quick[@]}" || status=1
+timeout "${RGPU_CHECK_BENCH_SECONDS:-300}" "$py" bench/gpu.py --json "$out/figures.json" "${quick[@]}" || status=1
 step "done (status $status)"
 exit $status
