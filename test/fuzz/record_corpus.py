@@ -74,6 +74,13 @@ except Exception as e:
     print(type(e).__name__)
 print(torch.div(torch.arange(5, device=d), 2, rounding_mode="floor").cpu(), torch.empty(3, device=d).cpu())
 """,
+    "memory": """
+x = torch.ones(64, 64, device=d)
+torch.rgpu.reset_peak_memory_stats()
+print(torch.rgpu.memory_allocated(), torch.rgpu.max_memory_allocated(), torch.rgpu.mem_get_info())
+torch.rgpu.empty_cache()
+print(torch.rgpu.get_device_properties(), (x * 2).sum().item())
+""",
 }
 
 
