@@ -3,9 +3,7 @@ the plan, out of memory is an error the session survives, a device-side assert e
 cleanly, and torch.rgpu's memory functions agree with torch.cuda's. Skipped without CUDA; run
 on a GPU machine by tools/device/check.sh."""
 
-import copy
 import os
-import sys
 import time
 
 import pytest
@@ -14,12 +12,9 @@ from conftest import Server, run_client
 
 import rgpu
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
-from models import SmallCNN, TinyGPT, gpt_batch, gpt_optimizer  # noqa: E402
+from test_training import train_cnn, train_gpt  # the same loops, on CPU there
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-STEPS = 20
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,39 +29,6 @@ def cuda_server(server):
     rgpu.set_server(server.address)
     rgpu.reset()
     s.stop()
-
-
-def train_gpt(device, steps=STEPS):
-    torch.manual_seed(0)
-    model = TinyGPT().to(device)
-    opt, sched = gpt_optimizer(model, steps)
-    losses = []
-    for step in range(steps):
-        idx, tgt = gpt_batch(step)
-        opt.zero_grad()
-        loss = model(idx.to(device), tgt.to(device))
-        loss.backward()
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-    return losses, model
-
-
-def train_cnn(device, steps=STEPS):
-    torch.manual_seed(0)
-    model = SmallCNN().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(16, 1, 16, 16, generator=g)
-        y = torch.randint(0, 10, (16,), generator=g)
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, model
 
 
 def assert_params_match(a, b):
@@ -85,8 +47,8 @@ def test_the_server_runs_on_cuda():
 
 
 def test_gpt_trains_like_local_cuda_eager():
-    local, local_model = train_gpt("cuda")
-    remote, remote_model = train_gpt("rgpu")
+    local, local_model, _ = train_gpt("cuda")
+    remote, remote_model, _ = train_gpt("rgpu")
     torch.testing.assert_close(remote, local, rtol=1e-4, atol=1e-5)
     assert local[-1] < local[0]
     assert_params_match(remote_model, local_model)
