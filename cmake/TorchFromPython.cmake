@@ -1,7 +1,8 @@
 # libtorch from the folders of Python's torch package (-DRGPU_TORCH_FROM_PYTHON=ON), for a
 # machine whose torch is a CUDA build but whose CUDA toolkit does not satisfy TorchConfig.cmake:
 # rgpu compiles no CUDA code, so it needs only torch's headers and shared libraries. Sets what
-# find_package(Torch) sets and this build uses: TORCH_LIBRARIES and TORCH_INSTALL_PREFIX.
+# find_package(Torch) sets and this build uses: TORCH_LIBRARIES and TORCH_INSTALL_PREFIX, and
+# RGPU_TORCH_VERSION.
 execute_process(
   COMMAND "${Python3_EXECUTABLE}" -c
           "import os, torch; print(os.path.dirname(torch.__file__)); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.__version__)"
@@ -12,7 +13,7 @@ endif()
 string(REPLACE "\n" ";" _torch "${_torch}")
 list(GET _torch 0 TORCH_INSTALL_PREFIX)
 list(GET _torch 1 _abi)
-list(GET _torch 2 _version)
+list(GET _torch 2 RGPU_TORCH_VERSION)
 
 set(_lib "${TORCH_INSTALL_PREFIX}/lib")
 add_library(rgpu_torch INTERFACE)
@@ -29,4 +30,4 @@ if(EXISTS "${_lib}/libtorch_cuda.so")
 endif()
 list(APPEND CMAKE_BUILD_RPATH "${_lib}")
 set(TORCH_LIBRARIES rgpu_torch)
-message(STATUS "libtorch ${_version} from ${TORCH_INSTALL_PREFIX}")
+message(STATUS "libtorch ${RGPU_TORCH_VERSION} from ${TORCH_INSTALL_PREFIX}")

@@ -67,6 +67,26 @@ def compile_backend(mode=None, compiler="inductor"):
     return make(mode=mode, compiler=compiler)
 
 
+def _check_build() -> None:
+    """rgpu's compiled parts work only with the torch release they were built against: say so,
+    and what to do, instead of failing on a missing symbol."""
+    try:
+        from ._build import TORCH_VERSION as built
+    except ImportError:
+        raise ImportError(
+            "rgpu is not built: its compiled parts (rgpu._C, rgpu-opserver) are missing. Build "
+            "them with `make` in the checkout, or install with `pip install "
+            "--no-build-isolation .`") from None
+    release = built.split("+")[0]
+    if torch.__version__.split("+")[0] != release:
+        raise ImportError(
+            f"rgpu was built against torch {built}, and this environment has torch "
+            f"{torch.__version__}: its compiled parts work only with torch {release}. Install "
+            f"torch=={release}, or rebuild rgpu against this torch (`make` in the checkout, or "
+            f"`pip install --no-build-isolation .`).")
+
+
+_check_build()
 torch.utils.rename_privateuse1_backend("rgpu")
 
 from . import _C  # noqa: E402  (the backend must be named before the kernels register)
