@@ -5,6 +5,7 @@ importing torch.
 """
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -40,6 +41,7 @@ examples:
   rgpu-run --host me@gpu-box -- python train.py
   rgpu-run --server 127.0.0.1:9720 -- python train.py
   rgpu-run --server 127.0.0.1:9720 python train.py     (the -- is optional)
+  rgpu-run --host me@gpu-box --check                  (is that server usable from here?)
 
 With --host, rgpu-run asks the host (over ssh) where its rgpu-opserver's Unix socket is
 ($XDG_RUNTIME_DIR/rgpu/opserver.sock or ~/.rgpu/opserver.sock there), forwards a socket in a
@@ -145,6 +147,53 @@ def _tunnel(args):
     return proc, env, tmp
 
 
+# Run by --check in this Python (which has torch): one JSON line of what it found.
+CHECK_CODE = r"""
+import json
+out = {}
+try:
+    import torch
+    out["client_torch"] = torch.__version__
+    import rgpu
+    out.update(rgpu._C.server_hello())
+    props = torch.rgpu.get_device_properties()
+    out["device_name"], out["total_memory"] = props.name, props.total_memory
+except ImportError as e:
+    out["import_error"] = str(e)
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+def check(env, shown) -> int:
+    """--check: whether this Python's rgpu can use the server at `shown`, each side's versions,
+    the server's device and compiler, and what to do about a problem. Returns 0 if all is well."""
+    r = subprocess.run([sys.executable, "-c", CHECK_CODE], env=dict(os.environ, **env),
+                       capture_output=True, text=True, timeout=300)
+    try:
+        found = json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        print(f"client: the check could not run in {sys.executable}: {r.stderr.strip()[-800:]}")
+        return 1
+    if "import_error" in found:
+        print(f"client: {sys.executable} cannot import rgpu: {found['import_error']}")
+        return 1
+    print(f"client: torch {found['client_torch']} ({sys.executable})")
+    if "error" in found:
+        message = found["error"].split(": ", 1)[-1]
+        print(f"server: {shown}: {message}")
+        if "version mismatch" in message:
+            print("fix: install the same torch release and the same rgpu on both sides, then "
+                  "restart rgpu-opserver")
+        return 1
+    gib = found["total_memory"] / 2**30
+    print(f"server: {shown}: rgpu protocol {found['protocol']}, torch {found['torch']}, device "
+          f"{found['device']} ({found['device_name']}, {gib:.1f} GiB), compiler {found['compiler']}")
+    print("ok: this client can use that server")
+    return 0
+
+
 def run(argv=None) -> int:
     """``rgpu-run``: the entry point; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
@@ -154,7 +203,7 @@ def run(argv=None) -> int:
         argv, command = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(prog="rgpu-run", description=RUN_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()
     where.add_argument("--host", help="[user@]HOST running rgpu-opserver, reached with ssh")
     where.add_argument("--server", help="unix:PATH or HOST:PORT of an rgpu-opserver reachable "
                        "directly (over TCP, set RGPU_TOKEN or have its token file)")
@@ -164,6 +213,11 @@ def run(argv=None) -> int:
     p.add_argument("--remote-port", type=int,
                    help="reach rgpu-opserver's TCP port instead of its socket (with its token)")
     p.add_argument("--tunnel-timeout", type=float, default=20, help="seconds to wait for the tunnel")
+    p.add_argument("--check", action="store_true",
+                   help="run no command: tell whether the server (--host, --server, else "
+                   "RGPU_OPSERVER or the default socket) can be used, with each side's torch "
+                   "and protocol versions and the server's device and compiler, and what to do "
+                   "about a problem (exit status 0 if all is well, else 1)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="the program to run, after -- or after the last option")
     try:
@@ -171,7 +225,11 @@ def run(argv=None) -> int:
     except SystemExit as e:
         return 2 if e.code else 0
     command = command or args.command
-    if not command:
+    if not args.check and not (args.host or args.server):
+        p.print_usage(sys.stderr)
+        print("rgpu-run: one of --host and --server is required (or --check)", file=sys.stderr)
+        return 2
+    if not command and not args.check:
         p.print_usage(sys.stderr)
         print("rgpu-run: no command given (put it after --)", file=sys.stderr)
         return 2
@@ -187,8 +245,11 @@ def run(argv=None) -> int:
             return 1
         tunnel, env, tmp = opened
     else:
-        env = {"RGPU_OPSERVER": args.server}
+        env = {"RGPU_OPSERVER": args.server} if args.server else {}
     try:
+        if args.check:
+            shown = args.host or args.server or os.environ.get("RGPU_OPSERVER") or "the default socket"
+            return check(env, shown)
         child = subprocess.run(command, env=dict(os.environ, **env))
         return child.returncode
     except FileNotFoundError:

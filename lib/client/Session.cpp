@@ -807,6 +807,15 @@ Session::ServerStats Session::serverStats() {
   return reply.stats.back();
 }
 
+Transport::ServerHello Session::serverHello() {
+  Lock lock(*this);
+  if (lost())
+    raise(ErrorKind::SessionLost, transport_.lostReason());
+  if (!transport_.connected())
+    transport_.connect();
+  return transport_.serverHello();
+}
+
 Session::DeviceMemory Session::deviceMemory(bool resetPeak, bool emptyCache) {
   Lock lock(*this);
   cut("memory figures");

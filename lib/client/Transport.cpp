@@ -235,6 +235,7 @@ Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &w
     instance_ = instance;
     graceSeconds_ = hr.getSessionGrace();
     graphBudget_ = hr.getGraphBudget();
+    serverHello_ = {hr.getProtocol(), theirs, hr.getDevice(), hr.getCompiler()};
   }
   return Hello::Resumed;
 }

@@ -263,6 +263,19 @@ PYBIND11_MODULE(_C, m) {
     out["sites"] = sites;
     return out;
   });
+  m.def("server_hello", []() {
+    Transport::ServerHello h;
+    {
+      py::gil_scoped_release release;
+      h = Session::get().serverHello();
+    }
+    py::dict out;
+    out["protocol"] = h.protocol;
+    out["torch"] = h.torchVersion;
+    out["device"] = h.device;
+    out["compiler"] = h.compiler;
+    return out;
+  });
   m.def("device_memory", [](bool resetPeak, bool emptyCache) {
     Session::DeviceMemory mem;
     {

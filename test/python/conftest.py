@@ -120,6 +120,21 @@ def run_client(address, code, env=None, timeout=120):
     )
 
 
+def package_copy(tmp_path, build_py):
+    """A copy of the rgpu package in tmp_path (links to its files) whose _build.py, where
+    rgpu records the torch it was built against, is `build_py` (None: absent). Put tmp_path
+    first on PYTHONPATH to import it."""
+    package = os.path.join(REPO, "python", "rgpu")
+    copy = os.path.join(str(tmp_path), "rgpu")
+    os.mkdir(copy)
+    for name in os.listdir(package):
+        if name not in ("_build.py", "__pycache__"):
+            os.symlink(os.path.realpath(os.path.join(package, name)), os.path.join(copy, name))
+    if build_py is not None:
+        with open(os.path.join(copy, "_build.py"), "w") as f:
+            f.write(build_py)
+
+
 def same(actual, expected, rtol=1e-5, atol=1e-6):
     """Asserts an rgpu result equals the CPU one: values, dtype, shape."""
     if isinstance(actual, (list, tuple)):

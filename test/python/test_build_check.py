@@ -7,20 +7,12 @@ import sys
 
 import pytest
 import torch
-
-PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "rgpu")
+from conftest import package_copy
 
 
 def import_copy(tmp_path, build_py, code="import rgpu"):
-    """Runs `code` with a copy of the package (links to its files) whose _build.py is
-    `build_py` (None: absent) first on the path."""
-    copy = tmp_path / "rgpu"
-    copy.mkdir()
-    for name in os.listdir(PACKAGE):
-        if name not in ("_build.py", "__pycache__"):
-            os.symlink(os.path.realpath(os.path.join(PACKAGE, name)), copy / name)
-    if build_py is not None:
-        (copy / "_build.py").write_text(build_py)
+    """Runs `code` with a copy of the package whose _build.py is `build_py` first on the path."""
+    package_copy(tmp_path, build_py)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(tmp_path)), cwd=str(tmp_path))
 

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from conftest import run_client
+from conftest import package_copy, run_client
 
 BIN = os.path.dirname(sys.executable)
 TRACE_DUMP = os.path.join(BIN, "rgpu-trace-dump")
@@ -152,6 +152,41 @@ def test_rgpu_run_usage_errors():
     assert rgpu_run("--server", "127.0.0.1:1").returncode == 2
     assert rgpu_run("--", "true").returncode == 2
     assert rgpu_run("--server", "127.0.0.1:1", "--", "/no/such/program").returncode == 127
+
+
+def test_rgpu_run_check_against_a_running_server(server):
+    r = rgpu_run("--server", server.address, "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    import torch
+
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"client: torch {torch.__version__}"), r.stdout
+    assert f"server: {server.address}: rgpu protocol 7, torch {torch.__version__.split('+')[0]}" in r.stdout
+    assert "device cpu (" in r.stdout and "compiler plan" in r.stdout, r.stdout
+    assert lines[-1] == "ok: this client can use that server", r.stdout
+    # RGPU_OPSERVER, as a program run by rgpu-run would use it.
+    env = dict(os.environ, RGPU_OPSERVER=server.address)
+    r = subprocess.run([RUN, "--check"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and f"server: {server.address}" in r.stdout, r.stdout + r.stderr
+
+
+def test_rgpu_run_check_against_a_stopped_server(fresh_server):
+    address = fresh_server.address
+    fresh_server.stop()
+    r = rgpu_run("--server", address, "--check")
+    assert r.returncode == 1, r.stdout
+    assert f"server: {address}: cannot reach rgpu-opserver at {address}" in r.stdout, r.stdout
+    assert "Start one with" in r.stdout, r.stdout
+
+
+def test_rgpu_run_check_with_rgpu_built_for_another_torch(server, tmp_path):
+    package_copy(tmp_path, 'TORCH_VERSION = "2.99.0"\n')
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    r = subprocess.run([RUN, "--server", server.address, "--check"], capture_output=True,
+                       text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert r.returncode == 1, r.stdout
+    assert "cannot import rgpu: rgpu was built against torch 2.99.0" in r.stdout, r.stdout
+    assert "rebuild" in r.stdout, r.stdout
 
 
 def test_rgpu_run_builds_the_ssh_tunnel_command(tmp_path):

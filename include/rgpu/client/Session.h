@@ -151,6 +151,8 @@ public:
     std::vector<Graph> graphs;
   };
   ServerStats serverStats();
+  /// What the server said of itself when the session began (connecting first if need be).
+  Transport::ServerHello serverHello();
   /// The server device's memory figures and properties (torch.rgpu.memory_allocated and the
   /// rest). Runs what is pending first, so that its tensors are counted; one round trip.
   struct DeviceMemory {

@@ -51,6 +51,11 @@ public:
   void connect();
   /// What the server's Hello reply said.
   uint64_t graphBudget() const { return graphBudget_; }
+  struct ServerHello {
+    uint32_t protocol = 0;
+    std::string torchVersion, device, compiler;
+  };
+  const ServerHello &serverHello() const { return serverHello_; }
   uint64_t reconnects() const { return reconnects_; }
   const wire::Limits &limits() const { return limits_; }
   /// The fastest Hello round trip seen: the link's own latency, without queues behind it.
@@ -107,6 +112,7 @@ private:
   std::unique_ptr<net::FrameDecoder> decoder_;
   wire::Limits limits_;
   std::string lostReason_;
+  ServerHello serverHello_;
   std::string sessionId_, instance_;
   uint64_t graphBudget_ = 0, graceSeconds_ = 0;
   uint64_t seq_ = 0, acked_ = 0;
