@@ -16,6 +16,7 @@ Each system runs in its own process; the rgpu ones against a fresh server on a U
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -142,8 +143,6 @@ def child(name, system, quick):
 
 
 def opserver(compiler, tmp):
-    import re
-
     sock = os.path.join(tmp, f"{compiler}.sock")
     binary = os.path.join(REPO, "python", "rgpu", "bin", "rgpu-opserver")
     env = dict(os.environ, RGPU_PYTHON=sys.executable)

@@ -1,7 +1,7 @@
 # The build's third-party libraries from one folder made by tools/device/make-deps.sh
 # (-DRGPU_DEPS_DIR=...), for a machine that has none of our Debian packages: the same targets and
-# variables that find_package(LLVM), find_package(CapnProto) and pkg-config give otherwise, all
-# static, and the Cap'n Proto sources generated ahead (that machine has no capnp compiler).
+# variables that find_package(LLVM), find_package(CapnProto) and pkg-config give otherwise, and
+# the Cap'n Proto sources generated ahead (that machine has no capnp compiler).
 foreach(f include/capnp/common.h include/uv.h include/sodium.h include/llvm/ADT/SmallVector.h
           gen/rgpu.capnp.h lib/libLLVMSupport.a)
   if(NOT EXISTS "${RGPU_DEPS_DIR}/${f}")

@@ -72,15 +72,19 @@ c10::Stream computeStream(c10::Device dev) {
   return c10::impl::VirtualGuardImpl(dev.type()).getStream(dev);
 }
 
-std::string processorName() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind("model name", 0) == 0) {
-      size_t colon = line.find(':');
-      if (colon != std::string::npos)
-        return line.substr(line.find_first_not_of(' ', colon + 1));
-    }
-  return "CPU";
+/// Read once: every memory request of a CPU server names it.
+const std::string &processorName() {
+  static const std::string name = [] {
+    std::ifstream in("/proc/cpuinfo");
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("model name", 0) == 0) {
+        size_t start = line.find_first_not_of(" \t", line.find(':') + 1);
+        if (line.find(':') != std::string::npos && start != std::string::npos)
+          return line.substr(start);
+      }
+    return std::string("CPU");
+  }();
+  return name;
 }
 
 } // namespace

@@ -56,6 +56,7 @@ struct Session::Command {
   uint64_t handle = 0;
   uint32_t count = 0;
   bool replyMetas = false;
+  bool resetPeak = false, emptyCache = false; ///< A MemoryRequest's.
   ir::TensorMeta meta;
   at::Tensor data; ///< A private CPU copy of an upload's bytes.
   uint64_t offset = 0, length = 0;
@@ -821,7 +822,8 @@ Session::DeviceMemory Session::deviceMemory(bool resetPeak, bool emptyCache) {
   cut("memory figures");
   Command c;
   c.kind = wire::Command::MEMORY;
-  c.count = (resetPeak ? 1 : 0) | (emptyCache ? 2 : 0);
+  c.resetPeak = resetPeak;
+  c.emptyCache = emptyCache;
   queue(std::move(c));
   Reply reply = flush(true);
   if (reply.memory.empty())
@@ -916,8 +918,8 @@ Session::Reply Session::flush(bool wantReply) {
     case wire::Command::STATS: cb.setStats(); break;
     case wire::Command::MEMORY: {
       auto m = cb.initMemory();
-      m.setResetPeak(c.count & 1);
-      m.setEmptyCache(c.count & 2);
+      m.setResetPeak(c.resetPeak);
+      m.setEmptyCache(c.emptyCache);
       break;
     }
     case wire::Command::SYNC: cb.setSync(); break;
