@@ -189,6 +189,55 @@ def test_rgpu_run_check_with_rgpu_built_for_another_torch(server, tmp_path):
     assert "rebuild" in r.stdout, r.stdout
 
 
+class OtherRelease:
+    """A server of another rgpu release, for as long as it takes to answer a Hello: it sends the
+    reply such a server sends (encoded from text with the `capnp` tool, framed as rgpu-opserver
+    frames it), then closes."""
+
+    def __init__(self, path, protocol, torch_version):
+        import socket
+        import struct
+        import threading
+
+        schema = os.path.join(os.path.dirname(__file__), "..", "..", "lib", "wire", "rgpu.capnp")
+        text = (f'(ackSeq = 0, results = [(hello = (protocol = {protocol}, torchVersion = '
+                f'"{torch_version}", device = "cpu", compiler = "plan", instance = "12345678"))])')
+        body = subprocess.run(["capnp", "encode", schema, "ServerFrame"], input=text.encode(),
+                              capture_output=True, check=True).stdout
+        self.reply = struct.pack("<IIQ", 0x55504752, 0, len(body)) + body
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(str(path))
+        self.listener.listen()
+        self.address = f"unix:{path}"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            conn, _ = self.listener.accept()
+            with conn:
+                conn.recv(65536)  # the client's Hello
+                conn.sendall(self.reply)
+
+
+def test_rgpu_run_check_against_a_server_of_another_release(tmp_path):
+    import torch
+
+    ours = torch.__version__.split("+")[0]
+    server = OtherRelease(tmp_path / "s.sock", protocol=99, torch_version=ours)
+    r = rgpu_run("--server", server.address, "--check")
+    assert r.returncode == 1, r.stdout
+    assert f"server: {server.address}: version mismatch: rgpu protocol 7 here, 99 on the server" \
+        in r.stdout, r.stdout
+    assert "fix: install the same torch release and the same rgpu on both sides" in r.stdout
+
+    other = OtherRelease(tmp_path / "t.sock", protocol=7, torch_version="2.9.1")
+    r = rgpu_run("--server", other.address, "--check")
+    assert r.returncode == 1, r.stdout
+    assert f"version mismatch: this client runs torch {ours}, rgpu-opserver at " \
+        f"{other.address} runs torch 2.9.1" in r.stdout, r.stdout
+    assert "fix: " in r.stdout, r.stdout
+
+
 def test_rgpu_run_builds_the_ssh_tunnel_command(tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
     import rgpu_cli
