@@ -14,7 +14,7 @@ DEB_PKGS   := capnproto libcapnp-dev libuv1-dev llvm-dev libgtest-dev libbenchma
 SUDO       := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CCACHE     := $(shell command -v ccache 2>/dev/null)
 
-.PHONY: all deps venv build test test-cpp test-python test-fuzz fuzz fuzz-build run bench clean
+.PHONY: all deps venv build test test-cpp test-python test-package test-fuzz fuzz fuzz-build run bench clean
 
 all: build
 
@@ -49,6 +49,11 @@ test-cpp: build
 test-python: build
 	$(PY) -m pytest -q test/python
 
+# rgpu as pip installs it: `pip install .` and `pip wheel .` of a clean clone of this commit,
+# each into a fresh venv with only torch, then a training step from each (test/package).
+test-package: deps
+	PYTHON_SYS=$(PYTHON_SYS) TORCH_PIN="$(TORCH_PIN)" test/package/check.sh
+
 # The fuzz targets: a separate clang build with libFuzzer, ASan and UBSan (test/fuzz).
 $(FUZZ_BUILD)/build.ninja: CMakeLists.txt | $(VENV)/.stamp
 	CC=clang-14 CXX=clang++-14 $(VENV)/bin/cmake -S . -B $(FUZZ_BUILD) -G Ninja \
@@ -68,7 +73,7 @@ fuzz: fuzz-build
 test-fuzz: fuzz-build
 	for t in $(FUZZ_TARGETS); do test/fuzz/run.sh $(FUZZ_BUILD) $$t 10 -runs=20000 || exit 1; done
 
-test: test-cpp test-python test-fuzz
+test: test-cpp test-python test-package test-fuzz
 
 run: build
 	$(PY) examples/train.py

@@ -7,7 +7,6 @@ training step, visibly, and trains on to show the compiled step time. With RGPU_
 set, it uses that server instead of starting one.
 """
 
-import logging
 import os
 import re
 import statistics
@@ -26,8 +25,8 @@ COMPILED_STEPS = 20  # trained after the server's Inductor compile, to show the 
 
 
 class Console:
-    """The progress bar on one line, and every other message (the server's log, rgpu's notes)
-    on lines of its own above it: a message never lands inside the bar's line."""
+    """The progress bar on one line, and the server's log on lines of their own above it: a
+    server line never lands inside the bar's line."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -57,15 +56,6 @@ class Console:
                 sys.stdout.write("\n")
                 sys.stdout.flush()
             self.bar = ""
-
-
-class NotesToConsole(logging.Handler):
-    def __init__(self, console):
-        super().__init__()
-        self.console = console
-
-    def emit(self, record):
-        self.console.note(self.format(record))
 
 
 def start_server(console):
@@ -108,11 +98,6 @@ def main():
         os.environ["RGPU_OPSERVER"] = address
     import rgpu
 
-    # rgpu announces long pauses (the server's compiles) at INFO on its logger.
-    notes = NotesToConsole(console)
-    notes.setFormatter(logging.Formatter("%(message)s"))
-    rgpu.logger.addHandler(notes)
-    rgpu.logger.setLevel(logging.INFO)
     try:
         torch.manual_seed(0)
         model = TinyGPT().to("rgpu")
@@ -137,23 +122,26 @@ def main():
             return 1000 * statistics.median(times[-steps:][steps // 10:])
 
         before = train(STEPS, "training")
+        counters = rgpu.stats()  # of the training steps; the wait below has its own
         server = rgpu.server_stats()
         print(f"\n{STEPS} steps at {before:.1f} ms/step (median), "
               f"{server['session']['compiled_runs']} of them compiled")
         if server["compiler"] == "inductor":
             waited = wait_for_compiles(console, rgpu)
             print(f"compiled after {waited:.0f} s more; training on with the compiled step")
+            start = rgpu.stats()
             after = train(COMPILED_STEPS, "compiled")
+            end = rgpu.stats()
+            for k in end:
+                counters[k] = end[k] if k == "live_tensors" else counters[k] + end[k] - start[k]
             print(f"\nstep time: {before:.1f} ms before the switch to Inductor, {after:.1f} ms "
                   f"after ({before / after:.2f}x)")
         total = len(losses)
         print(f"\nloss {losses[0]:.3f} -> {losses[-1]:.3f}  {sparkline(losses)}\n")
-        stats = rgpu.stats()
-        print("rgpu.stats():")
-        for k, v in stats.items():
+        print("rgpu.stats() over the training steps:")
+        for k, v in counters.items():
             print(f"  {k:15} {v:>10}   ({v / total:.1f} per step)")
     finally:
-        rgpu.logger.removeHandler(notes)
         if proc:
             proc.terminate()
             proc.wait()

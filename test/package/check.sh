@@ -24,3 +24,4 @@ echo "== pip wheel, installed into a second venv"
 "$work/installed/bin/pip" wheel -q --no-build-isolation --no-deps -w "$work/dist" "$work/src"
 "$work/wheel/bin/pip" install -q "$work"/dist/rgpu-*.whl
 (cd "$work" && "$work/wheel/bin/python" "$root/test/package/step.py")
+echo "== packaging checks passed in ${SECONDS} s"
