@@ -31,8 +31,7 @@ def find_torch():
     places = [Path(p) for p in sys.path if p]
     places += [Path(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")]
     for place in places:
-        config = place / "torch" / "share" / "cmake" / "Torch" / "TorchConfig.cmake"
-        if config.is_file():
+        if (place / "torch" / "lib" / "libtorch_cpu.so").is_file():
             text = (place / "torch" / "version.py").read_text()
             version = re.search(r"^__version__\s*=\s*['\"]([^'\"+]+)", text, re.M).group(1)
             return place / "torch", version
@@ -62,7 +61,9 @@ class BuildWithCMake(build_py):
         configure = [
             cmake, "-S", str(ROOT), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
             "-DRGPU_BUILD_TESTS=OFF", "-DRGPU_RELOCATABLE=ON", f"-DRGPU_PYTHON_DIR={package}",
-            f"-DCMAKE_PREFIX_PATH={torch_dir / 'share' / 'cmake'}",
+            # torch's headers and libraries straight from its folder: TorchConfig.cmake would ask
+            # a CUDA build of torch for a CUDA toolkit, which rgpu does not use.
+            "-DRGPU_TORCH_FROM_PYTHON=ON", f"-DRGPU_TORCH_PACKAGE_DIR={torch_dir}",
             f"-DPython3_EXECUTABLE={sys.executable}",
         ]
         if shutil.which("ninja"):
