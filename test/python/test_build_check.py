@@ -48,3 +48,16 @@ def test_a_build_of_the_same_release_loads(tmp_path, local):
     r = import_copy(tmp_path, f'TORCH_VERSION = "{release}{local}"\n', "import rgpu; print(rgpu.__file__)")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith(str(tmp_path)), r.stdout
+
+
+@pytest.mark.parametrize("package, debian", [("CapnProto", "capnproto libcapnp-dev"),
+                                             ("LLVM", "llvm-dev")])
+def test_a_missing_cpp_dependency_names_its_debian_packages(tmp_path, package, debian):
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    cmake = os.path.join(os.path.dirname(sys.executable), "cmake")
+    r = subprocess.run([cmake, "-S", root, "-B", str(tmp_path), "-DRGPU_WITH_TORCH=OFF",
+                        f"-DCMAKE_DISABLE_FIND_PACKAGE_{package}=ON"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0
+    error = " ".join(r.stderr.split())
+    assert f"On Debian or Ubuntu: sudo apt-get install {debian}" in error, r.stderr
