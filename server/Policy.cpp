@@ -49,6 +49,8 @@ const llvm::StringMap<std::vector<llvm::StringRef>> &stringTables() {
     add({"aten::stft"}, "pad_mode", {"constant", "reflect", "replicate", "circular"});
     add({"aten::pad_sequence"}, "padding_side", {"left", "right"});
     add({"aten::searchsorted"}, "side", {"left", "right"});
+    add({"_c10d_functional::all_reduce", "_c10d_functional::reduce_scatter_tensor"},
+        "reduce_op", {"sum", "avg", "product", "min", "max"});
     return t;
   }();
   return tables;
@@ -175,9 +177,21 @@ bool isFactory(llvm::StringRef bare) {
 
 } // namespace
 
+/// torch.distributed's functional collectives, which graphs of a session that joined a process
+/// group may hold (their group must be the session's own: server/Groups.cpp checks).
+bool isCollective(llvm::StringRef fullName) {
+  static const llvm::StringRef ops[] = {
+      "_c10d_functional::all_reduce", "_c10d_functional::all_gather_into_tensor",
+      "_c10d_functional::reduce_scatter_tensor", "_c10d_functional::broadcast",
+      "_c10d_functional::wait_tensor"};
+  return std::find(std::begin(ops), std::end(ops), fullName) != std::end(ops);
+}
+
 std::string admit(llvm::StringRef fullName) {
+  if (isCollective(fullName))
+    return "";
   if (!fullName.startswith("aten::"))
-    return "only aten ops are accepted";
+    return "only aten ops and torch.distributed's functional collectives are accepted";
   auto it = verdicts().find(fullName);
   if (it == verdicts().end())
     return "unknown op";
@@ -185,7 +199,8 @@ std::string admit(llvm::StringRef fullName) {
 }
 
 bool compilable(llvm::StringRef base) {
-  return !base.startswith("aten::") || !uncheckedOnceCompiled(base.drop_front(6));
+  // A collective waits on the other servers of its group: it runs on the plan.
+  return base.startswith("aten::") && !uncheckedOnceCompiled(base.drop_front(6));
 }
 
 std::string checkConstant(llvm::StringRef base, const c10::Argument &arg, bridge::ArgType type,
@@ -206,6 +221,8 @@ std::string checkConstant(llvm::StringRef base, const c10::Argument &arg, bridge
       return where + " is memory format number " + std::to_string(a.i) + ", not one torch has";
     return "";
   case bridge::ArgType::String: {
+    if (isCollective(base) && arg.name() == "group_name")
+      return ""; // the session's own group: Groups::check
     auto table = stringTables().find(tableKey(base, arg.name()));
     if (table == stringTables().end())
       return where + " is a free-form string";

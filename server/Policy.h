@@ -22,6 +22,10 @@ namespace rgpu::server::policy {
 /// "" if \p fullName ("aten::add.Tensor") may appear in a graph, else why not. Thread-safe.
 std::string admit(llvm::StringRef fullName);
 
+/// Whether \p fullName is one of torch.distributed's functional collectives that graphs may hold
+/// ("_c10d_functional::all_reduce", ...); they run on the plan executor only.
+bool isCollective(llvm::StringRef fullName);
+
 /// False for admitted ops that must not be compiled (the graphs holding them stay on the plan
 /// executor): `_unsafe_index` and friends, whose eager kernels check their indices and whose
 /// compiled code, by their contract, does not.

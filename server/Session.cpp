@@ -267,10 +267,14 @@ ErrorPtr sessionError(std::string message) {
 }
 
 /// One entry of ServerFrame.results, gathered before the reply is built.
+/// The longest a JoinGroup waits for the group's other servers (its worker waits with it).
+constexpr uint32_t kGroupTimeoutMs = 30 * 60 * 1000;
+
 struct ResultItem {
   wire::Result::Which kind;
   kj::Array<kj::byte> data;
   std::vector<ir::TensorMeta> metas;
+  std::string text;
 };
 } // namespace
 
@@ -410,6 +414,22 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         device::apply(ctx_.device(), cmd.getMemory());
         results.push_back({wire::Result::MEMORY, nullptr, {}});
         break;
+      case wire::Command::HOST_STORE:
+        results.push_back({wire::Result::TEXT, nullptr, {}, {}});
+        results.back().text = groups_.hostStore(ctx_.storeHost, std::chrono::minutes(30));
+        break;
+      case wire::Command::JOIN_GROUP: {
+        auto j = cmd.getJoinGroup();
+        results.push_back({wire::Result::TEXT, nullptr, {}, {}});
+        results.back().text =
+            groups_.join(j.getStore(), j.getPrefix(), int(j.getRank()), int(j.getSize()),
+                         std::chrono::milliseconds(std::min<uint32_t>(
+                             j.getTimeoutMs() ? j.getTimeoutMs() : kGroupTimeoutMs,
+                             kGroupTimeoutMs)));
+        log(peer_ + ": joined process group " + results.back().text + " as rank " +
+            std::to_string(j.getRank()) + " of " + std::to_string(j.getSize()));
+        break;
+      }
       case wire::Command::SYNC:
         if (ctx_.device().is_cuda())
           at::detail::getCUDAHooks().deviceSynchronize(ctx_.device().index());
@@ -460,6 +480,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
     }
     case wire::Result::STATS: stats(rs[i].initStats()); break;
     case wire::Result::MEMORY: device::figures(ctx_.device(), rs[i].initMemory()); break;
+    case wire::Result::TEXT: rs[i].setText(item.text); break;
     default: rs[i].setDone(); break;
     }
   }
@@ -673,6 +694,8 @@ void Session::define(wire::Define::Reader r) {
   std::string error = wire::decodeGraph(r.getGraph(), ctx_.limits(), graph, policy::admit);
   std::shared_ptr<const Plan> plan;
   const uint64_t budget = ctx_.budgets.graphMemory;
+  if (error.empty())
+    error = groups_.check(graph);
   if (error.empty()) {
     uint64_t bytes = ir::graphBytes(graph);
     if (budget && graphBytes_ + bytes > budget)

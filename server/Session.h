@@ -8,6 +8,7 @@
 #pragma once
 
 #include "Compiler.h"
+#include "Groups.h"
 #include "Log.h"
 #include "Memory.h"
 #include "Plan.h"
@@ -60,6 +61,8 @@ public:
   std::shared_ptr<const Plan> define(const ir::Hash128 &hash, ir::Graph graph, std::string &error);
 
   Budgets budgets;
+  /// Where a job's rendezvous store listens when a session hosts it (--store-host).
+  std::string storeHost = "127.0.0.1";
 
   /// Resuming. A session whose client gave it an id is parked when its connection ends, for
   /// sessionGraceMs; a Hello asking to resume it (with the same kind of authentication) takes
@@ -256,6 +259,7 @@ private:
   std::vector<std::string> notes_; ///< For the client's log, sent with the next reply.
   void stats(wire::ServerStats::Builder out);
   ErrorPtr pending_; ///< The first error not yet reported to the client.
+  Groups groups_;    ///< torch.distributed groups this session joined.
 };
 
 } // namespace rgpu::server

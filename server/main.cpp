@@ -105,6 +105,10 @@ memory and caches (SIZE: a number with a unit, such as 8GiB, 512MiB or 64k):
   --graph-memory SIZE    graphs one session may hold defined (default 64MiB, counted by
                          their size in memory); the client forgets its least recently
                          run graphs to stay under it and defines them again when needed
+  --store-host ADDR      address the rendezvous store of a torch.distributed job listens
+                         on when one of this server's sessions hosts it (default
+                         127.0.0.1; the job's other servers must reach it, and it has no
+                         authentication: use an address only the job's machines reach)
   --plan-cache SIZE      plans kept for graphs no session holds, least recently defined
                          dropped first (default 256MiB)
   --compiled-cache SIZE  compiled packages loaded at once, by package size (default
@@ -837,6 +841,7 @@ int main(int argc, char **argv) {
   const uint64_t physical = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
   limits.maxTensorBytes = physical;
   Budgets budgets;
+  std::string storeHost = "127.0.0.1";
   uint64_t memoryLimit = physical / 100 * 85;
   uint64_t sessionGraceMs = 120000;
   auto seconds = [](const std::string &v) { return uint64_t(std::max(0.05, std::stod(v)) * 1000); };
@@ -900,6 +905,8 @@ int main(int argc, char **argv) {
         conn.maxWaiting = std::max(1, std::stoi(value()));
       } else if (a == "--max-buffered-mib") {
         conn.bufferedBytes = std::max<uint64_t>(1, std::stoull(value())) << 20;
+      } else if (a == "--store-host") {
+        storeHost = value();
       } else if (a == "--workers") {
         workers = std::max(2, std::stoi(value())); // one may wait for a session to be parked
       } else if (a == "--session-grace") {
@@ -988,6 +995,7 @@ int main(int argc, char **argv) {
   server.ctx = std::make_unique<Context>(dev, limits, std::move(inductor));
   server.ctx->maxSessions = maxConnections;
   server.ctx->budgets = budgets;
+  server.ctx->storeHost = storeHost;
   server.ctx->sessionGraceMs = sessionGraceMs;
   server.ctx->instance = net::auth::randomBytes(8);
   server.ctx->closeConnection = [&server](uint64_t connId) {

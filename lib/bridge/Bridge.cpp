@@ -44,7 +44,9 @@ ArgType argType(const c10::TypePtr &type) {
   case c10::TypeKind::FloatType: return ArgType::Float;
   case c10::TypeKind::BoolType:
   case c10::TypeKind::SymBoolType: return ArgType::Bool;
-  case c10::TypeKind::StringType: return ArgType::String;
+  case c10::TypeKind::StringType:
+  // `Any` is carried as a string only: the process group name of _c10d_functional's ops.
+  case c10::TypeKind::AnyType: return ArgType::String;
   default: return ArgType::Unsupported;
   }
 }

@@ -57,6 +57,7 @@ struct Session::Command {
   uint32_t count = 0;
   bool replyMetas = false;
   bool resetPeak = false, emptyCache = false; ///< A MemoryRequest's.
+  std::string store, prefix;                  ///< A JoinGroup's (rank: handle, size: count).
   ir::TensorMeta meta;
   at::Tensor data; ///< A private CPU copy of an upload's bytes.
   uint64_t offset = 0, length = 0;
@@ -831,6 +832,36 @@ Session::DeviceMemory Session::deviceMemory(bool resetPeak, bool emptyCache) {
   return reply.memory.back();
 }
 
+std::string Session::hostStore() {
+  Lock lock(*this);
+  cut("a rendezvous store");
+  Command c;
+  c.kind = wire::Command::HOST_STORE;
+  queue(std::move(c));
+  Reply reply = flush(true);
+  if (reply.texts.empty())
+    lose("the server did not answer a HostStore");
+  return reply.texts.back();
+}
+
+std::string Session::joinGroup(const std::string &store, const std::string &prefix, int rank,
+                               int size, uint32_t timeoutMs) {
+  Lock lock(*this);
+  cut("joining a process group");
+  Command c;
+  c.kind = wire::Command::JOIN_GROUP;
+  c.store = store;
+  c.prefix = prefix;
+  c.handle = uint64_t(rank);
+  c.count = uint32_t(size);
+  c.length = timeoutMs;
+  queue(std::move(c));
+  Reply reply = flush(true);
+  if (reply.texts.empty())
+    lose("the server did not answer a JoinGroup");
+  return reply.texts.back();
+}
+
 Session::Reply Session::flush(bool wantReply) {
   if (lost())
     raise(ErrorKind::SessionLost, transport_.lostReason());
@@ -923,6 +954,16 @@ Session::Reply Session::flush(bool wantReply) {
       break;
     }
     case wire::Command::SYNC: cb.setSync(); break;
+    case wire::Command::HOST_STORE: cb.setHostStore(); break;
+    case wire::Command::JOIN_GROUP: {
+      auto j = cb.initJoinGroup();
+      j.setStore(c.store);
+      j.setPrefix(c.prefix);
+      j.setRank(uint32_t(c.handle));
+      j.setSize(c.count);
+      j.setTimeoutMs(uint32_t(c.length));
+      break;
+    }
     default: break;
     }
   }
@@ -1149,6 +1190,7 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
                                   m.getMajor(), m.getMinor()});
         break;
       }
+      case wire::Result::TEXT: results.texts.push_back(r.getText()); break;
       default: break;
       }
     }

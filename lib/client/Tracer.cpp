@@ -883,6 +883,15 @@ void registerWholeOps() {
       impl += "." + name.overload_name;
     lib->impl(impl.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
+  // torch.distributed's functional collectives (python/rgpu/distributed.py) have composite
+  // kernels too, which would run them on the client: they are recorded, and the server runs
+  // them in the process group its session joined.
+  static torch::Library *collectives = new torch::Library(
+      torch::Library::IMPL, "_c10d_functional", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  for (const char *op : {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                         "broadcast", "wait_tensor"})
+    if (dispatcher.findOp({std::string("_c10d_functional::") + op, ""}))
+      collectives->impl(op, torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
 } // namespace rgpu::client

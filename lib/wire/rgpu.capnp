@@ -152,7 +152,23 @@ struct Command {
     bye @10 :Void;       # the client is done: end the session now, keep nothing for a resume
     releaseRanges @11 :List(UInt64); # pairs (first, count): releases handles first..first+count-1
     memory @12 :MemoryRequest; # answered with the server device's DeviceMemory
+    hostStore @13 :Void;  # start a rendezvous store for a job spread over servers (one
+                          # server of the job does); answered with its "host:port" (text)
+    joinGroup @14 :JoinGroup; # answered with the group's name for this session's graphs (text)
   }
+}
+
+# This session joins a torch.distributed process group among the servers of a job (Gloo), as
+# rank `rank` of `size`. Graphs then name the group in their _c10d_functional ops by the name
+# the reply gives, which belongs to this session only. The server waits for every rank, up to
+# timeoutMs.
+struct JoinGroup {
+  store @0 :Text;        # "host:port" of the job's rendezvous store; "" for the one this
+                         # session hosts (hostStore)
+  prefix @1 :Text;       # keys of this group in the store (one store serves several groups)
+  rank @2 :UInt32;
+  size @3 :UInt32;
+  timeoutMs @4 :UInt32;
 }
 
 # torch.rgpu's memory functions. The figures are the whole server process's, as torch.cuda's
@@ -225,6 +241,7 @@ struct Result {
     done @3 :Void;                 # a Sync
     stats @4 :ServerStats;         # a Stats
     memory @5 :DeviceMemory;       # a MemoryRequest
+    text @6 :Text;                 # a HostStore's address, a JoinGroup's group name
   }
 }
 

@@ -105,6 +105,9 @@ torch._register_device_module("rgpu", _device_module)
 
 from ._meta import memoize_inplace_meta_checks  # noqa: E402
 
+if torch.distributed.is_available():
+    from . import distributed  # noqa: E402,F401  (registers the c10d backend "rgpu")
+
 memoize_inplace_meta_checks()
 torch.utils.generate_methods_for_privateuse1_backend(
     for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=False

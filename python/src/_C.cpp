@@ -276,6 +276,13 @@ PYBIND11_MODULE(_C, m) {
     out["compiler"] = h.compiler;
     return out;
   });
+  // The server waits for every rank of the group: other threads go on meanwhile.
+  m.def("host_store", [] { return Session::get().hostStore(); },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("join_group", [](const std::string &store, const std::string &prefix, int rank, int size,
+                         uint32_t timeoutMs) {
+    return Session::get().joinGroup(store, prefix, rank, size, timeoutMs);
+  }, py::call_guard<py::gil_scoped_release>());
   m.def("device_memory", [](bool resetPeak, bool emptyCache) {
     Session::DeviceMemory mem;
     {

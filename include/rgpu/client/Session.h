@@ -161,6 +161,13 @@ public:
     uint32_t multiProcessors = 0, major = 0, minor = 0;
   };
   DeviceMemory deviceMemory(bool resetPeak = false, bool emptyCache = false);
+  /// torch.distributed among servers (python/rgpu/distributed.py): starts the job's rendezvous
+  /// store on this session's server and returns its "host:port"; joins a process group of the
+  /// job's servers as \p rank of \p size (waiting for all of them) and returns the group's name
+  /// for this session's graphs.
+  std::string hostStore();
+  std::string joinGroup(const std::string &store, const std::string &prefix, int rank, int size,
+                        uint32_t timeoutMs);
 
   void release(uint64_t handle);
   /// Raises SessionLost if \p v is data of a session that reset() ended.
@@ -262,6 +269,7 @@ private:
     std::vector<std::vector<ir::TensorMeta>> metas; ///< Runs of data-dependent ops.
     std::vector<ServerStats> stats;                 ///< Stats requests.
     std::vector<DeviceMemory> memory;               ///< Memory requests.
+    std::vector<std::string> texts;                 ///< HostStore and JoinGroup answers.
     std::string error;                              ///< A remote error, described.
   };
   /// Per graph, the inputs and scalars of the latest Run sent: the next one says only what

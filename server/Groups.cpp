@@ -1,0 +1,134 @@
+#include "Groups.h"
+
+#include "Policy.h"
+
+#include <llvm/ADT/StringRef.h>
+
+#include <random>
+#include <set>
+#include <stdexcept>
+
+#ifdef RGPU_WITH_GLOO
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#endif
+
+namespace rgpu::server {
+
+struct Groups::State {
+#ifdef RGPU_WITH_GLOO
+  c10::intrusive_ptr<c10d::Store> hosted;
+  /// c10d's registry holds groups weakly: the session holds them.
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> held;
+#endif
+  std::string hostedAddress;
+  std::set<std::string> names;
+};
+
+Groups::Groups() : s_(std::make_unique<State>()) {}
+
+Groups::~Groups() {
+#ifdef RGPU_WITH_GLOO
+  for (const std::string &name : s_->names)
+    c10d::unregister_process_group(name);
+#endif
+}
+
+bool Groups::available() {
+#ifdef RGPU_WITH_GLOO
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifndef RGPU_WITH_GLOO
+namespace {
+[[noreturn]] void unavailable() {
+  throw std::runtime_error("this rgpu-opserver was built without Gloo (libgloo-dev's headers), "
+                           "so it cannot join torch.distributed process groups");
+}
+} // namespace
+#endif
+
+std::string Groups::hostStore(const std::string &host, std::chrono::milliseconds timeout) {
+#ifdef RGPU_WITH_GLOO
+  if (s_->hosted)
+    return s_->hostedAddress; // one store serves every group of the job
+  c10d::TCPStoreOptions opts;
+  opts.port = 0;
+  opts.isServer = true;
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
+  s_->hosted = store;
+  s_->hostedAddress = host + ":" + std::to_string(store->getPort());
+  return s_->hostedAddress;
+#else
+  unavailable();
+#endif
+}
+
+std::string Groups::join(const std::string &store, const std::string &prefix, int rank, int size,
+                         std::chrono::milliseconds timeout) {
+#ifdef RGPU_WITH_GLOO
+  if (s_->names.size() >= kMaxGroups)
+    throw std::runtime_error("a session may join at most " + std::to_string(kMaxGroups) +
+                             " process groups");
+  if (size < 1 || rank < 0 || rank >= size)
+    throw std::runtime_error("rank " + std::to_string(rank) + " of a group of " +
+                             std::to_string(size));
+  c10::intrusive_ptr<c10d::Store> base;
+  if (store.empty()) {
+    if (!s_->hosted)
+      throw std::runtime_error("this session hosts no rendezvous store (hostStore first)");
+    base = s_->hosted;
+  } else {
+    size_t colon = store.rfind(':');
+    if (colon == std::string::npos)
+      throw std::runtime_error("the rendezvous store '" + store + "' is not host:port");
+    c10d::TCPStoreOptions opts;
+    opts.port = uint16_t(std::stoi(store.substr(colon + 1)));
+    opts.isServer = false;
+    opts.timeout = timeout;
+    base = c10::make_intrusive<c10d::TCPStore>(store.substr(0, colon), opts);
+  }
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("rgpu/" + prefix, base);
+  auto options = c10d::ProcessGroupGloo::Options::create_default(timeout);
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+  group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+
+  std::random_device rd;
+  std::uniform_int_distribution<uint64_t> bits;
+  char name[40];
+  std::snprintf(name, sizeof name, "rgpu-%016llx",
+                static_cast<unsigned long long>(bits(rd) ^ (uint64_t(rd()) << 32)));
+  group->setGroupName(name);
+  c10d::register_process_group(name, group);
+  s_->held.push_back(group);
+  s_->names.insert(name);
+  return name;
+#else
+  unavailable();
+#endif
+}
+
+std::string Groups::check(const ir::Graph &graph) const {
+  for (const ir::Node &n : graph.nodes) {
+    if (!policy::isCollective(n.op.str()) || n.args.empty())
+      continue;
+    // The group is the last argument of every collective that has one (wait_tensor has not).
+    const ir::Arg &last = n.args.back();
+    if (last.kind == ir::Arg::Kind::Str && !s_->names.count(n.strings[last.i]))
+      return n.op.str().str() + " names the process group '" + n.strings[last.i] +
+             "', which this session has not joined";
+  }
+  return "";
+}
+
+} // namespace rgpu::server

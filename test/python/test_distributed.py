@@ -1,0 +1,180 @@
+"""torch.distributed on rgpu: the c10d backend "rgpu", whose collectives run on the servers.
+
+Each rank is a client process of its own, started as torchrun starts them (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), against its own rgpu-opserver or, two sessions, the same one."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import Server
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+
+COLLECTIVES = """
+import json, torch, torch.distributed as dist, rgpu
+dist.init_process_group("rgpu")
+rank, size = dist.get_rank(), dist.get_world_size()
+out = {}
+t = torch.arange(4, dtype=torch.float32, device="rgpu") + 10 * rank
+dist.all_reduce(t)
+out["all_reduce"] = t.cpu().tolist()
+m = torch.full((3,), float(rank + 1), device="rgpu")
+dist.all_reduce(m, op=dist.ReduceOp.MAX)
+out["max"] = m.cpu().tolist()
+b = torch.full((2, 2), float(rank), device="rgpu")
+dist.broadcast(b, src=1)
+out["broadcast"] = b.cpu().tolist()
+g = torch.empty(size * 2, device="rgpu")
+dist.all_gather_into_tensor(g, torch.tensor([rank, rank + 0.5], device="rgpu"))
+out["all_gather_into_tensor"] = g.cpu().tolist()
+r = torch.empty(2, device="rgpu")
+dist.reduce_scatter_tensor(r, torch.arange(size * 2, dtype=torch.float32, device="rgpu") * (rank + 1))
+out["reduce_scatter_tensor"] = r.cpu().tolist()
+parts = [torch.empty(3, device="rgpu") for _ in range(size)]
+dist.all_gather(parts, torch.full((3,), float(rank), device="rgpu"))
+out["all_gather"] = [p.cpu().tolist() for p in parts]
+c = torch.ones(2) * (rank + 1)
+dist.all_reduce(c)
+out["cpu_tensor"] = c.tolist()
+dist.barrier()
+s = rgpu.stats()
+out["uploads"], out["downloads"] = s["uploads"], s["downloads"]
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+DDP = """
+import json, sys, time, torch, torch.distributed as dist, rgpu
+sys.path.insert(0, EXAMPLES)
+from models import TinyGPT, gpt_batch
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("rgpu")
+rank, size = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = DDP(TinyGPT().to("rgpu"), bucket_cap_mb=0.01)  # several buckets
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+losses, counts = [], []
+for step in range(STEPS):
+    idx, tgt = gpt_batch(step, batch=8)
+    idx, tgt = idx[rank::size], tgt[rank::size]  # this rank's half of the global batch
+    before = rgpu.stats()
+    opt.zero_grad()
+    if step % 5 == 4:
+        with model.no_sync():  # accumulate locally, then a synced step on the same batch
+            model(idx.to("rgpu"), tgt.to("rgpu")).backward()
+    loss = model(idx.to("rgpu"), tgt.to("rgpu"))
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+    after = rgpu.stats()
+    counts.append({k: after[k] - before[k] for k in ("waits", "messages", "bytes_out", "bytes_in")})
+params = [p.detach().cpu().tolist() for p in model.module.parameters()]
+print(json.dumps({"losses": losses, "counts": counts, "params": params}))
+dist.destroy_process_group()
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(code, addresses, timeout=300):
+    """Runs `code` as len(addresses) ranks, rank k against the server at addresses[k]; returns
+    each rank's last stdout line, parsed."""
+    port = free_port()
+    procs = []
+    for rank, address in enumerate(addresses):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(addresses)),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RGPU_OPSERVER=address)
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+@pytest.fixture
+def two_servers():
+    servers = [Server(), Server()]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def test_collectives_across_two_servers_match_their_definitions(two_servers):
+    a, b = run_ranks(COLLECTIVES, [s.address for s in two_servers])
+    for rank, out in enumerate((a, b)):
+        assert out["all_reduce"] == [10.0, 12.0, 14.0, 16.0]
+        assert out["max"] == [2.0] * 3
+        assert out["broadcast"] == [[1.0, 1.0], [1.0, 1.0]]
+        assert out["all_gather_into_tensor"] == [0.0, 0.5, 1.0, 1.5]
+        # sum over ranks of arange(4) * (rank + 1) = arange(4) * 3, scattered in halves
+        assert out["reduce_scatter_tensor"] == [[0.0, 3.0], [6.0, 9.0]][rank]
+        assert out["all_gather"] == [[0.0] * 3, [1.0] * 3]
+        assert out["cpu_tensor"] == [3.0, 3.0]
+
+
+def ddp_runs(addresses, steps=20):
+    code = DDP.replace("EXAMPLES", repr(EXAMPLES)).replace("STEPS", str(steps))
+    return run_ranks(code, addresses)
+
+
+def single_process_reference(steps=20):
+    """The same training on CPU in one process, on the global batch (what DDP must equal)."""
+    sys.path.insert(0, EXAMPLES)
+    from models import TinyGPT, gpt_batch
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        idx, tgt = gpt_batch(step, batch=8)
+        halves = [(idx[r::2], tgt[r::2]) for r in range(2)]
+        opt.zero_grad()
+        if step % 5 == 4:  # the no_sync pass: each rank keeps its own half's gradient, and
+            # the next synced backward averages the ranks' accumulated gradients
+            (sum(model(i, t) for i, t in halves) / 2).backward()
+        # DDP averages the ranks' gradients: the mean of the two halves' losses.
+        per_rank = [model(i, t) for i, t in halves]
+        (sum(per_rank) / 2).backward()
+        opt.step()
+        losses.append([v.item() for v in per_rank])
+    return losses, [p.detach() for p in model.parameters()]
+
+
+def check_ddp(outs, steps=20):
+    losses, params = single_process_reference(steps)
+    for rank, out in enumerate(outs):
+        got = torch.tensor(out["losses"])
+        want = torch.tensor([l[rank] for l in losses])
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (rank, got, want)
+        for p, q in zip(out["params"], params):
+            assert torch.allclose(torch.tensor(p), q, rtol=1e-5, atol=1e-6)
+        steady = out["counts"][6:]
+        assert all(c["waits"] == 1 for c in steady), out["counts"]
+        assert all(c["messages"] <= 2 for c in steady), out["counts"]
+    return outs
+
+
+def test_ddp_on_two_servers_matches_one_process_on_the_global_batch(two_servers):
+    outs = check_ddp(ddp_runs([s.address for s in two_servers]))
+    # What crosses a client per step does not grow with the model: no gradients.
+    for out in outs:
+        steady = [c for k, c in enumerate(out["counts"]) if k >= 6 and k % 5 != 4]
+        assert max(c["bytes_out"] for c in steady) < 4096, out["counts"]
+        assert max(c["bytes_in"] for c in steady) < 1024, out["counts"]
+
+
+def test_ddp_with_two_ranks_on_one_server(fresh_server):
+    check_ddp(ddp_runs([fresh_server.address] * 2))
