@@ -424,6 +424,71 @@ def measure(workload, runs, addresses, warmup, steps, rounds):
     return results
 
 
+# One rank of the DDP workload: the gpt workload's model under DistributedDataParallel, this
+# rank's share of a global batch of 32, `.item()` every step (the naive loop).
+DDP_RANK = """
+import json, statistics, sys, time, torch, torch.distributed as dist, rgpu
+sys.path.insert(0, EXAMPLES)
+from models import TinyGPT, gpt_batch
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("rgpu")
+rank, size = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = DDP(TinyGPT().to("rgpu"))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+times = []
+for step in range(WARMUP + STEPS):
+    if step == WARMUP:
+        before = rgpu.stats()
+    start = time.perf_counter()
+    idx, tgt = gpt_batch(step, batch=32)
+    loss = model(idx[rank::size].to("rgpu"), tgt[rank::size].to("rgpu"))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    loss.item()
+    times.append(time.perf_counter() - start)
+after = rgpu.stats()
+per_step = {k: (after[k] - before[k]) / STEPS for k in ("bytes_out", "bytes_in", "messages", "waits")}
+print(json.dumps(dict(step_ms=1000 * statistics.median(times[WARMUP:]), **per_step)))
+dist.destroy_process_group()
+"""
+
+
+def ddp_benchmark(quick):
+    """Data-parallel training over torch.distributed: 1 rank against 2 ranks, each rank a client
+    process with a server of its own (rgpu-opserver --compiler plan), on the same global batch.
+    Returns per world size the median step time of rank 0 and what crossed its client."""
+    warmup, steps = (3, 10) if quick else (5, 30)
+    code = (DDP_RANK.replace("EXAMPLES", repr(os.path.join(REPO, "examples")))
+            .replace("WARMUP", str(warmup)).replace("STEPS", str(steps)))
+    out = {}
+    for size in (1, 2):
+        servers = [Proc([opserver(), "--device", "cpu", "--port", "0", "--compiler", "plan"],
+                        r"listening on ([\d.]+:\d+)") for _ in range(size)]
+        try:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            ranks = [subprocess.Popen(
+                [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(size),
+                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                    RGPU_OPSERVER=servers[r].address))
+                for r in range(size)]
+            reports = [p.communicate(timeout=600) for p in ranks]
+            if any(p.returncode for p in ranks):
+                out[f"ranks{size}"] = {"error": reports[0][1].strip()[-500:]}
+                continue
+            out[f"ranks{size}"] = json.loads(reports[0][0].strip().splitlines()[-1])
+        finally:
+            for s in servers:
+                s.stop()
+    return out
+
+
 def micro_benchmarks(build, server_address, quick):
     """Runs the Google Benchmark binaries; returns {benchmark: {"us": time, "per_item_ns": ...}}."""
     out = {}
@@ -542,6 +607,15 @@ def table(results):
         if "us" in m:
             extra = f", {m['per_item_ns']:.0f} ns per item" if "per_item_ns" in m else ""
             lines.append(f"{name:28} {m['us']:10.1f} us{extra}")
+    ddp = results.get("ddp", {})
+    if "step_ms" in ddp.get("ranks1", {}) and "step_ms" in ddp.get("ranks2", {}):
+        one, two = ddp["ranks1"], ddp["ranks2"]
+        lines.append("")
+        lines.append(f"ddp (gpt, global batch 32): 1 rank {one['step_ms']:.1f} ms, 2 ranks "
+                     f"{two['step_ms']:.1f} ms a step ({two['step_ms'] / one['step_ms']:.2f}x); "
+                     f"a rank's client per step: {two['bytes_out']:.0f} B out, "
+                     f"{two['bytes_in']:.0f} B in, {two['messages']:.1f} messages, "
+                     f"{two['waits']:.1f} waits")
     return "\n".join(lines)
 
 
@@ -662,6 +736,7 @@ def main():
                 trace["rgpu" if system == "rgpu-plan" else system] = r["trace_us_per_op"]
         results["trace_us_per_op"] = trace
         results["micro"] = micro_benchmarks(args.build, servers["rgpu-plan"].address, args.quick)
+        results["ddp"] = ddp_benchmark(args.quick)
     finally:
         for p in list(relays.values()) + list(servers.values()):
             p.stop()

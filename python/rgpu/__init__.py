@@ -128,6 +128,20 @@ def _configure_logging():
 
 
 _configure_logging()
+
+
+def _server_for_this_rank():
+    # RGPU_OPSERVER="a,b,..." under torchrun: local rank k uses the k-th server.
+    servers = os.environ.get("RGPU_OPSERVER", "").split(",")
+    if len(servers) > 1:
+        rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+        if rank >= len(servers):
+            raise RuntimeError(f"RGPU_OPSERVER lists {len(servers)} servers, and this is local "
+                               f"rank {rank}: list one server per rank of this machine")
+        _C.set_server(servers[rank].strip())
+
+
+_server_for_this_rank()
 atexit.register(_C.flush_graph_cache)
 # At exit the session ends on the server at once, instead of waiting there for a resume.
 atexit.register(_C.close)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import Server
+from conftest import Server, run_client
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 
@@ -86,13 +86,15 @@ def free_port():
 
 
 def run_ranks(code, addresses, timeout=300):
-    """Runs `code` as len(addresses) ranks, rank k against the server at addresses[k]; returns
-    each rank's last stdout line, parsed."""
+    """Runs `code` as len(addresses) ranks, rank k against the server at addresses[k] (named
+    as torchrun users do: RGPU_OPSERVER lists the servers, LOCAL_RANK picks one); returns each
+    rank's last stdout line, parsed."""
     port = free_port()
     procs = []
     for rank, address in enumerate(addresses):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(addresses)),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RGPU_OPSERVER=address)
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(len(addresses)), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), RGPU_OPSERVER=",".join(addresses))
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outs = []
@@ -178,3 +180,74 @@ def test_ddp_on_two_servers_matches_one_process_on_the_global_batch(two_servers)
 
 def test_ddp_with_two_ranks_on_one_server(fresh_server):
     check_ddp(ddp_runs([fresh_server.address] * 2))
+
+
+LONG_RUN = """
+import sys, datetime, torch, torch.distributed as dist, rgpu
+dist.init_process_group("rgpu", timeout=datetime.timedelta(seconds=30))
+rank = dist.get_rank()
+w = torch.ones(64, device="rgpu")
+for step in range(100000):
+    g = w * (rank + 1)
+    dist.all_reduce(g)
+    w = w - 1e-3 * g
+    print(step, w.sum().item(), flush=True)
+"""
+
+
+def test_a_rank_whose_server_dies_makes_every_rank_fail_not_hang(two_servers):
+    port = free_port()
+    procs = []
+    for rank, server in enumerate(two_servers):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), RGPU_OPSERVER=server.address,
+                   RGPU_RECONNECT_SECONDS="2")
+        procs.append(subprocess.Popen([sys.executable, "-c", LONG_RUN], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for p in procs:  # both are training
+        for _ in range(3):
+            assert p.stdout.readline(), p.stderr.read()
+    two_servers[1].stop()
+    errors = []
+    for p in procs:
+        _, err = p.communicate(timeout=120)  # within the group's timeout, never a hang
+        assert p.returncode != 0
+        errors.append(err.strip().splitlines()[-1].split("]: ", 1)[-1])  # "[rank0]: ..."
+    assert errors[1].startswith("rgpu.SessionLost"), errors
+    # The surviving rank's server saw its peer go: Gloo's error, naming the collective.
+    assert errors[0].startswith(("rgpu.RemoteError", "rgpu.SessionLost")), errors
+    assert "_c10d_functional" in errors[0] or "SessionLost" in errors[0], errors
+
+
+HOLD_A_GROUP = """
+import torch, torch.distributed as dist, rgpu
+dist.init_process_group("rgpu", rank=0, world_size=1, init_method="tcp://127.0.0.1:PORT")
+print(dist.distributed_c10d._get_default_group()._group, flush=True)
+input()
+"""
+
+
+def test_a_session_cannot_use_another_sessions_group(fresh_server):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_A_GROUP.replace("PORT", str(free_port()))],
+                              env=dict(os.environ, RGPU_OPSERVER=fresh_server.address),
+                              text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    try:
+        name = holder.stdout.readline().strip()
+        assert name.startswith("rgpu-"), holder.stderr.read()
+        # Another session names that group in a graph of its own.
+        r = run_client(fresh_server.address, f"""
+import torch, rgpu
+import torch.distributed._functional_collectives  # the ops' meta kernels, for the client
+t = torch.ones(4, device="rgpu")
+f = torch.ops._c10d_functional
+try:
+    f.wait_tensor(f.all_reduce(t, "sum", {name!r})).cpu()
+except rgpu.RemoteError as e:
+    print("refused:", e)
+""")
+        assert r.returncode == 0, r.stderr
+        assert "refused:" in r.stdout and "which this session has not joined" in r.stdout, r.stdout
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert holder.returncode == 0
