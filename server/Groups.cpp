@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #endif
 
@@ -99,8 +100,16 @@ std::string Groups::join(const std::string &store, const std::string &prefix, in
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("rgpu/" + prefix, base);
   auto options = c10d::ProcessGroupGloo::Options::create_default(timeout);
   auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
+  // Collectives that differ between ranks (a shape, an op) would reach Gloo's I/O thread,
+  // which aborts the process on them. So every collective is first checked against the other
+  // ranks' through a second, small Gloo group (torch's ProcessGroupWrapper, what
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL uses): a mismatch fails that run on every rank.
+  auto checks = c10::make_intrusive<c10d::ProcessGroupGloo>(
+      c10::make_intrusive<c10d::PrefixStore>("rgpu/" + prefix + "/checks", base), rank, size,
+      c10d::ProcessGroupGloo::Options::create_default(timeout));
+  auto checked = c10::make_intrusive<c10d::ProcessGroupWrapper>(gloo, checks);
   auto group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
-  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, checked);
   group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
 
   std::random_device rd;

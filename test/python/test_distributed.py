@@ -251,3 +251,29 @@ except rgpu.RemoteError as e:
     finally:
         holder.communicate("\n", timeout=60)
     assert holder.returncode == 0
+
+
+MISMATCH = """
+import datetime, json, torch, torch.distributed as dist, rgpu
+dist.init_process_group("rgpu", timeout=datetime.timedelta(seconds=30))
+rank = dist.get_rank()
+t = torch.ones(4 if rank == 0 else 8, device="rgpu")
+try:
+    dist.all_reduce(t)
+    t.cpu()
+    error = None
+except rgpu.RemoteError as e:
+    error = str(e)
+# The group goes on after the refused collective.
+ok = torch.full((2,), float(rank + 1), device="rgpu")
+dist.all_reduce(ok)
+print(json.dumps({"error": error, "after": ok.cpu().tolist()}))
+"""
+
+
+def test_collectives_that_differ_between_ranks_fail_on_every_rank_and_the_servers_live(two_servers):
+    outs = run_ranks(MISMATCH, [s.address for s in two_servers])
+    for out in outs:
+        assert "Detected mismatch between collectives on ranks" in out["error"], out
+        assert out["after"] == [3.0, 3.0]
+    assert all(s.alive() for s in two_servers)
