@@ -109,7 +109,9 @@ std::string Groups::join(const std::string &store, const std::string &prefix, in
       c10d::ProcessGroupGloo::Options::create_default(timeout));
   auto checked = c10::make_intrusive<c10d::ProcessGroupWrapper>(gloo, checks);
   auto group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
-  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, checked);
+  // Gloo takes CUDA tensors too (through host memory; NCCL would be the fast path).
+  for (c10::DeviceType type : {c10::DeviceType::CPU, c10::DeviceType::CUDA})
+    group->setBackend(type, c10d::ProcessGroup::BackendType::GLOO, checked);
   group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
 
   std::random_device rd;

@@ -12,6 +12,11 @@ def is_available() -> bool:
     return True
 
 
+def is_initialized() -> bool:
+    """True, as for an initialized torch.cuda: rgpu needs no initialization call."""
+    return True
+
+
 def device_count() -> int:
     return 1
 
