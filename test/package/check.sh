@@ -2,7 +2,8 @@
 # rgpu installed as a Python package, as a user installs it (`make test-package`, part of
 # `make test`): a clean clone of this checkout's commit is pip-installed into a fresh venv that
 # has only torch; then `pip wheel` builds a wheel that goes into a second fresh venv. Each venv
-# then imports its rgpu, checks and uses its own rgpu-opserver (test/package/step.py).
+# then imports its rgpu, checks and uses its own rgpu-opserver (test/package/step.py); last, the
+# wheel told it was built for another torch must refuse to import, saying what to do.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 python=${PYTHON_SYS:-python3}
@@ -24,4 +25,13 @@ echo "== pip wheel, installed into a second venv"
 "$work/installed/bin/pip" wheel -q --no-build-isolation --no-deps -w "$work/dist" "$work/src"
 "$work/wheel/bin/pip" install -q "$work"/dist/rgpu-*.whl
 (cd "$work" && "$work/wheel/bin/python" "$root/test/package/step.py")
+echo "== the wheel, told it was built for another torch"
+built="$("$work/wheel/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/rgpu/_build.py"
+sed -i 's/^TORCH_VERSION = .*/TORCH_VERSION = "2.99.0"/' "$built"
+if error=$(cd "$work" && "$work/wheel/bin/python" -c "import rgpu" 2>&1); then
+  echo "import rgpu worked with a wheel recorded for torch 2.99.0"; exit 1
+fi
+echo "$error" | tail -1
+echo "$error" | grep -q "rgpu was built against torch 2.99.0.*Install torch==2.99.0, or rebuild rgpu"
+
 echo "== packaging checks passed in ${SECONDS} s"
