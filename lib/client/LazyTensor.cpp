@@ -3,6 +3,7 @@
 #include "rgpu/bridge/Bridge.h"
 
 #include <ATen/FunctionalTensorWrapper.h>
+#include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 
 namespace rgpu::client {
 
@@ -73,3 +74,25 @@ LazyTensorImpl *lazyImpl(const at::Tensor &t) {
 }
 
 } // namespace rgpu::client
+
+namespace rgpu::client {
+namespace {
+/// DistributedDataParallel's timer for rgpu tensors: what the client sees (tracing, and waits),
+/// on the host clock, as torch's CPU timer does. Without one, DDP warns at every start that it
+/// keeps time for CPU and CUDA only.
+class HostTimer : public c10d::Timer {
+public:
+  explicit HostTimer(c10::Device) {}
+  std::optional<int64_t> measureDifference(Event start, Event end) override {
+    int64_t a = getTimeRef(start), b = getTimeRef(end);
+    if (a == c10d::kUnsetTime || b == c10d::kUnsetTime || b < a)
+      return std::nullopt;
+    return b - a;
+  }
+};
+} // namespace
+} // namespace rgpu::client
+
+namespace c10d {
+C10_REGISTER_TYPED_CLASS(TimerRegistry, c10::kPrivateUse1, rgpu::client::HostTimer);
+} // namespace c10d
