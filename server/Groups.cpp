@@ -4,6 +4,8 @@
 
 #include <llvm/ADT/StringRef.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <set>
 #include <stdexcept>
@@ -91,8 +93,11 @@ std::string Groups::join(const std::string &store, const std::string &prefix, in
     size_t colon = store.rfind(':');
     if (colon == std::string::npos)
       throw std::runtime_error("the rendezvous store '" + store + "' is not host:port");
+    int port = std::atoi(store.c_str() + colon + 1);
+    if (port <= 0 || port > 65535)
+      throw std::runtime_error("the rendezvous store '" + store + "' has no valid port");
     c10d::TCPStoreOptions opts;
-    opts.port = uint16_t(std::stoi(store.substr(colon + 1)));
+    opts.port = uint16_t(port);
     opts.isServer = false;
     opts.timeout = timeout;
     base = c10::make_intrusive<c10d::TCPStore>(store.substr(0, colon), opts);
@@ -117,8 +122,7 @@ std::string Groups::join(const std::string &store, const std::string &prefix, in
   std::random_device rd;
   std::uniform_int_distribution<uint64_t> bits;
   char name[40];
-  std::snprintf(name, sizeof name, "rgpu-%016llx",
-                static_cast<unsigned long long>(bits(rd) ^ (uint64_t(rd()) << 32)));
+  std::snprintf(name, sizeof name, "rgpu-%016llx", static_cast<unsigned long long>(bits(rd)));
   group->setGroupName(name);
   c10d::register_process_group(name, group);
   s_->held.push_back(group);
