@@ -6,6 +6,7 @@ MASTER_ADDR, MASTER_PORT), against its own rgpu-opserver or, two sessions, the s
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 
@@ -56,7 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 dist.init_process_group("rgpu")
 rank, size = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
-model = DDP(TinyGPT().to("rgpu"), bucket_cap_mb=0.01)  # several buckets
+model = DDP(TinyGPT(**SIZE).to("rgpu"), bucket_cap_mb=0.01)  # several buckets
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 losses, counts = [], []
 for step in range(STEPS):
@@ -126,8 +127,9 @@ def test_collectives_across_two_servers_match_their_definitions(two_servers):
         assert out["cpu_tensor"] == [3.0, 3.0]
 
 
-def ddp_runs(addresses, steps=20):
-    code = DDP.replace("EXAMPLES", repr(EXAMPLES)).replace("STEPS", str(steps))
+def ddp_runs(addresses, steps=20, size=None):
+    code = (DDP.replace("EXAMPLES", repr(EXAMPLES)).replace("STEPS", str(steps))
+            .replace("SIZE", repr(size or {})))
     return run_ranks(code, addresses)
 
 
@@ -176,6 +178,16 @@ def test_ddp_on_two_servers_matches_one_process_on_the_global_batch(two_servers)
         steady = [c for k, c in enumerate(out["counts"]) if k >= 6 and k % 5 != 4]
         assert max(c["bytes_out"] for c in steady) < 4096, out["counts"]
         assert max(c["bytes_in"] for c in steady) < 1024, out["counts"]
+
+
+def test_what_crosses_a_client_in_a_ddp_step_does_not_grow_with_the_model(two_servers):
+    addresses = [s.address for s in two_servers]
+    small = ddp_runs(addresses, steps=12)
+    large = ddp_runs(addresses, steps=12, size={"dim": 128})  # 14x the parameters, as many
+    for a, b in zip(small, large):  # once every graph has shipped (the no_sync one at step 4)
+        for key in ("bytes_out", "bytes_in"):
+            steady = [statistics.median(c[key] for c in out["counts"][5:]) for out in (a, b)]
+            assert steady[0] == steady[1], (key, a["counts"], b["counts"])
 
 
 def test_ddp_with_two_ranks_on_one_server(fresh_server):
