@@ -2,6 +2,8 @@
 
 #include "Policy.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <llvm/ADT/StringRef.h>
 
 #include <cstdio>
@@ -81,9 +83,13 @@ std::string Groups::join(const std::string &store, const std::string &prefix, in
   if (s_->names.size() >= kMaxGroups)
     throw std::runtime_error("a session may join at most " + std::to_string(kMaxGroups) +
                              " process groups");
-  if (size < 1 || rank < 0 || rank >= size)
+  if (size < 1 || size > kMaxRanks || rank < 0 || rank >= size)
     throw std::runtime_error("rank " + std::to_string(rank) + " of a group of " +
-                             std::to_string(size));
+                             std::to_string(size) + " (groups have 1 to " +
+                             std::to_string(kMaxRanks) + " ranks)");
+  if (prefix.size() > kMaxPrefix)
+    throw std::runtime_error("a group's key prefix of more than " + std::to_string(kMaxPrefix) +
+                             " bytes");
   c10::intrusive_ptr<c10d::Store> base;
   if (store.empty()) {
     if (!s_->hosted)
@@ -135,13 +141,24 @@ std::string Groups::join(const std::string &store, const std::string &prefix, in
 
 std::string Groups::check(const ir::Graph &graph) const {
   for (const ir::Node &n : graph.nodes) {
-    if (!policy::isCollective(n.op.str()) || n.args.empty())
+    if (!policy::isCollective(n.op.str()))
       continue;
-    // The group is the last argument of every collective that has one (wait_tensor has not).
-    const ir::Arg &last = n.args.back();
-    if (last.kind == ir::Arg::Kind::Str && !s_->names.count(n.strings[last.i]))
-      return n.op.str().str() + " names the process group '" + n.strings[last.i] +
-             "', which this session has not joined";
+    // The group is the schema's `group_name`; collectives take no lists, so schema arguments
+    // and graph arguments line up one to one (Plan checks the rest of the node).
+    auto [base, overload] = ir::splitOpName(n.op.str());
+    auto handle = c10::Dispatcher::singleton().findSchema({base.str(), overload.str()});
+    if (!handle)
+      continue;
+    const auto &arguments = handle->schema().arguments();
+    for (size_t k = 0; k < arguments.size() && k < n.args.size(); ++k) {
+      const ir::Arg &a = n.args[k];
+      if (arguments[k].name() != "group_name")
+        continue;
+      std::string name = a.kind == ir::Arg::Kind::Str ? n.strings[a.i] : "";
+      if (!s_->names.count(name))
+        return n.op.str().str() + " names the process group '" + name +
+               "', which this session has not joined";
+    }
   }
   return "";
 }

@@ -29,8 +29,11 @@ public:
   /// An error message if \p graph names a process group this session did not join.
   std::string check(const ir::Graph &graph) const;
 
-  /// At most this many groups per session.
+  /// At most this many groups per session, of at most this many ranks, with key prefixes of at
+  /// most this many bytes.
   static constexpr size_t kMaxGroups = 16;
+  static constexpr int kMaxRanks = 4096;
+  static constexpr size_t kMaxPrefix = 256;
 
 private:
   struct State;

@@ -42,6 +42,15 @@ out["all_gather"] = [p.cpu().tolist() for p in parts]
 c = torch.ones(2) * (rank + 1)
 dist.all_reduce(c)
 out["cpu_tensor"] = c.tolist()
+base = torch.arange(12, dtype=torch.float32, device="rgpu").view(3, 4) * (rank + 1)
+dist.all_reduce(base.t()[1:3, ::2])  # in place into a non-contiguous view of a view
+out["view"] = base.cpu().tolist()
+a = torch.full((2,), float(rank + 1), device="rgpu")
+try:
+    dist.all_reduce(a, op=dist.ReduceOp.AVG)
+    out["avg"] = a.cpu().tolist()
+except Exception as e:
+    out["avg"] = type(e).__name__
 dist.barrier()
 s = rgpu.stats()
 out["uploads"], out["downloads"] = s["uploads"], s["downloads"]
@@ -125,6 +134,10 @@ def test_collectives_across_two_servers_match_their_definitions(two_servers):
         assert out["reduce_scatter_tensor"] == [[0.0, 3.0], [6.0, 9.0]][rank]
         assert out["all_gather"] == [[0.0] * 3, [1.0] * 3]
         assert out["cpu_tensor"] == [3.0, 3.0]
+        want = torch.arange(12, dtype=torch.float32).view(3, 4) * (rank + 1)
+        want.t()[1:3, ::2] *= 3 / (rank + 1)  # the view now holds the sum over both ranks
+        assert out["view"] == want.tolist()
+        assert out["avg"] == [1.5, 1.5], out["avg"]  # the mean, not the sum
 
 
 def ddp_runs(addresses, steps=20, size=None):
@@ -289,3 +302,41 @@ def test_collectives_that_differ_between_ranks_fail_on_every_rank_and_the_server
         assert "Detected mismatch between collectives on ranks" in out["error"], out
         assert out["after"] == [3.0, 3.0]
     assert all(s.alive() for s in two_servers)
+
+
+GROUP_LIMITS = """
+import rgpu
+from rgpu import _C
+def join(store, prefix, rank, size):
+    try:
+        return _C.join_group(store, prefix, rank, size, 2000)
+    except rgpu.RemoteError as e:
+        return "refused: " + str(e)
+print(join("", "a", 0, 1))                    # no store hosted yet
+_C.host_store()
+print(join("", "b", 0, 10**6))                # too many ranks
+print(join("", "c", 3, 2))                    # a rank outside the group
+print(join("", "d" * 1000, 0, 1))             # a key prefix past the bound
+print(join("127.0.0.1:99999", "e", 0, 1))     # no such port
+names = [join("", f"g{k}", 0, 1) for k in range(16)]
+print(all(n.startswith("rgpu-") for n in names), len(set(names)))
+print(join("", "h", 0, 1))                    # a 17th group
+"""
+
+
+def test_a_sessions_groups_are_bounded_and_a_client_beside_trains_on(fresh_server):
+    from test_limits import train_beside
+
+    beside = train_beside(fresh_server.address, 100)
+    r = run_client(fresh_server.address, GROUP_LIMITS)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert "hosts no rendezvous store" in lines[0], lines
+    assert "groups have 1 to 4096 ranks" in lines[1] and "rank 3 of a group of 2" in lines[2]
+    assert "key prefix of more than 256 bytes" in lines[3], lines
+    assert "has no valid port" in lines[4], lines
+    assert lines[5] == "True 16", lines
+    assert "at most 16 process groups" in lines[6], lines
+    out, err = beside.communicate(timeout=120)
+    assert beside.returncode == 0 and out.strip() == "True", err
+    assert fresh_server.alive()
