@@ -11,6 +11,7 @@ again, and `--no-build-isolation` works the same (see the README).
 An editable install (`make` does `pip install -e .` after building) builds nothing here.
 """
 
+import functools
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from setuptools.dist import Distribution
 ROOT = Path(__file__).resolve().parent
 
 
+@functools.lru_cache(maxsize=None)
 def find_torch():
     """torch's package folder and release, without importing it."""
     places = [Path(p) for p in sys.path if p]

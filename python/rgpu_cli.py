@@ -182,8 +182,8 @@ def check(env, shown) -> int:
     print(f"client: torch {found['client_torch']} ({sys.executable})")
     if "error" in found:
         message = found["error"].split(": ", 1)[-1]
-        # A check has no tensors to lose: keep the reason, not what a session loses by it.
-        message = message.removeprefix("rgpu session lost: ").split(". Tensors on the server")[0]
+        if message.startswith("rgpu session lost: "):  # a check has no session to lose
+            message = message.removeprefix("rgpu session lost: ").rstrip(".")
         print(f"server: {shown}: {message}")
         if "version mismatch" in message:
             print("fix: install the same torch release and the same rgpu on both sides, then "

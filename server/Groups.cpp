@@ -42,14 +42,6 @@ Groups::~Groups() {
 #endif
 }
 
-bool Groups::available() {
-#ifdef RGPU_WITH_GLOO
-  return true;
-#else
-  return false;
-#endif
-}
-
 #ifndef RGPU_WITH_GLOO
 namespace {
 [[noreturn]] void unavailable() {

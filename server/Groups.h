@@ -17,8 +17,6 @@ public:
   Groups();
   ~Groups();
 
-  /// Whether this server was built with Gloo, torch.distributed's CPU backend.
-  static bool available();
   /// Starts the job's rendezvous store on \p host, on a free port; returns "host:port".
   std::string hostStore(const std::string &host, std::chrono::milliseconds timeout);
   /// Joins a group of \p size servers as \p rank through the store at \p store ("" for the one

@@ -832,22 +832,26 @@ Session::DeviceMemory Session::deviceMemory(bool resetPeak, bool emptyCache) {
   return reply.memory.back();
 }
 
-std::string Session::hostStore() {
+std::string Session::askText(Command c, const char *reason) {
   Lock lock(*this);
-  cut("a rendezvous store");
-  Command c;
-  c.kind = wire::Command::HOST_STORE;
+  cut(reason);
+  wire::Command::Which kind = c.kind;
   queue(std::move(c));
   Reply reply = flush(true);
   if (reply.texts.empty())
-    lose("the server did not answer a HostStore");
+    lose("the server did not answer a " +
+         std::string(kind == wire::Command::HOST_STORE ? "HostStore" : "JoinGroup"));
   return reply.texts.back();
+}
+
+std::string Session::hostStore() {
+  Command c;
+  c.kind = wire::Command::HOST_STORE;
+  return askText(std::move(c), "a rendezvous store");
 }
 
 std::string Session::joinGroup(const std::string &store, const std::string &prefix, int rank,
                                int size, uint32_t timeoutMs) {
-  Lock lock(*this);
-  cut("joining a process group");
   Command c;
   c.kind = wire::Command::JOIN_GROUP;
   c.store = store;
@@ -855,11 +859,7 @@ std::string Session::joinGroup(const std::string &store, const std::string &pref
   c.handle = uint64_t(rank);
   c.count = uint32_t(size);
   c.length = timeoutMs;
-  queue(std::move(c));
-  Reply reply = flush(true);
-  if (reply.texts.empty())
-    lose("the server did not answer a JoinGroup");
-  return reply.texts.back();
+  return askText(std::move(c), "joining a process group");
 }
 
 Session::Reply Session::flush(bool wantReply) {

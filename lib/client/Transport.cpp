@@ -79,9 +79,11 @@ std::string Transport::address() const {
 }
 
 void Transport::lose(const std::string &why) {
+  // Before a first Hello was accepted there was no session, and nothing on the server to lose.
   lostReason_ = "rgpu session lost: " + why +
-                ". Tensors on the server are gone; call rgpu.reset() to start a new session "
-                "(or restart the program).";
+                (instance_.empty() ? std::string(".")
+                                   : ". Tensors on the server are gone; call rgpu.reset() to "
+                                     "start a new session (or restart the program).");
   socket_.close();
   kept_.clear();
   keptBytes_ = 0;

@@ -261,6 +261,8 @@ private:
   bool replay(const TraceKey &key, llvm::ArrayRef<TraceNode *> nodes, Resolved &out);
   uint64_t queueResolved(Resolved r, bool replyMetas, const char *reason,
                          const std::string &executor);
+  /// Cuts the trace (\p reason), sends \p c alone and waits for its text answer.
+  std::string askText(Command c, const char *reason);
   void log(int level, const std::string &message);
   void queue(Command c);
   /// What an awaited frame brought back, in command order per kind.
