@@ -51,7 +51,9 @@ void BM_PlanExecution(benchmark::State &state) {
     s.d = 1.0;
   auto plan = server::Plan::build(std::move(g), error);
   std::vector<server::Entry> in = {{at::randn({4}), nullptr}}, out;
-  server::RunContext ctx{at::kCPU, at::globalContext().defaultGenerator(at::kCPU)};
+  const at::Device cpu(at::kCPU);
+  const at::Generator generator = at::globalContext().defaultGenerator(at::kCPU);
+  server::RunContext ctx{cpu, generator};
   for (auto _ : state)
     plan->run(in, scalars, ctx, out);
   state.counters["ns_per_node"] =

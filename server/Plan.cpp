@@ -112,21 +112,35 @@ std::string constantOf(const c10::Argument &sa, const c10::TypePtr &type, llvm::
 /// Runs a random op that has no generator argument with the session's generator standing in for
 /// the process default one, so sessions never see each other's random streams.
 void callWithSessionGenerator(const c10::OperatorHandle &op, torch::jit::Stack &stack,
-                              const RunContext &ctx) {
+                              const at::Device &device, at::Generator generator) {
   static std::mutex swapMutex;
   std::lock_guard<std::mutex> lock(swapMutex);
-  at::Generator global = at::globalContext().defaultGenerator(ctx.device);
+  at::Generator global = at::globalContext().defaultGenerator(device);
   at::Tensor saved = global.get_state();
-  global.set_state(ctx.generator.get_state());
+  global.set_state(generator.get_state());
   try {
     op.callBoxed(stack);
   } catch (...) {
     global.set_state(saved);
     throw;
   }
-  at::Generator session = ctx.generator;
-  session.set_state(global.get_state());
+  generator.set_state(global.get_state());
   global.set_state(saved);
+}
+
+/// Where in ctx.devices a step runs: on the device its Device argument names (\p named, -1 if
+/// none), else on its first tensor operand's, else on rgpu:0.
+size_t deviceOf(int32_t named, const torch::jit::Stack &stack, const RunContext &ctx) {
+  if (named >= 0)
+    return size_t(named);
+  for (const c10::IValue &v : stack)
+    if (v.isTensor() && v.toTensor().defined()) {
+      for (size_t i = 0; i < ctx.devices.size(); ++i)
+        if (ctx.devices[i] == v.toTensor().device())
+          return i;
+      break;
+    }
+  return 0;
 }
 
 /// Gives a kernel's output the dtype and size its meta kernel promised, which is what the client
@@ -311,11 +325,19 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
         return mismatch();
       step.slots.push_back({Slot::Scalar, n.scalars[arg->i]});
       continue;
-    case bridge::ArgType::Device:
+    case bridge::ArgType::Device: {
       if (arg->kind != Arg::Kind::Device)
         return mismatch();
-      step.slots.push_back({Slot::Device});
+      // "rgpu:i" (the client names every device by its index); anything else is rgpu:0.
+      uint32_t index = 0;
+      llvm::StringRef text = arg->i < n.strings.size() ? llvm::StringRef(n.strings[arg->i]) : "";
+      if (text.consume_front("rgpu:") && (text.getAsInteger(10, index) || index > 255))
+        return where + ": bad device '" + n.strings[arg->i] + "'";
+      step.slots.push_back({Slot::Device, index});
+      step.device = int32_t(index);
+      maxDevice = std::max(maxDevice, index);
       continue;
+    }
     case bridge::ArgType::Generator:
       return where + ": explicit generators are not supported";
     case bridge::ArgType::List: {
@@ -597,22 +619,24 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
             stack.push_back(std::move(list));
             break;
           }
-          case Slot::Generator: stack.push_back(ctx.generator); break;
-          case Slot::Device: stack.push_back(ctx.device); break;
+          case Slot::Generator: stack.push_back(ctx.generators[deviceOf(step.device, stack, ctx)]); break;
+          case Slot::Device: stack.push_back(ctx.devices[slot.a]); break;
           }
         }
         // The statistics are float32 as the meta kernels promise (conformToMeta); CPU's
         // backward kernels of bf16/fp16 norms want them in the input's dtype, as its forward
         // kernels made them.
-        if (!step.statSlots.empty() && ctx.device.is_cpu()) {
+        if (!step.statSlots.empty() && ctx.devices[0].is_cpu()) {
           c10::ScalarType want = stack[step.statDtypeSlot].toTensor().scalar_type();
           for (uint32_t i : step.statSlots)
             if (stack[i].isTensor() && stack[i].toTensor().defined() &&
                 stack[i].toTensor().scalar_type() != want)
               stack[i] = stack[i].toTensor().to(want);
         }
-        if (step.seeded)
-          callWithSessionGenerator(*step.op, stack, ctx);
+        if (step.seeded) {
+          size_t d = deviceOf(step.device, stack, ctx);
+          callWithSessionGenerator(*step.op, stack, ctx.devices[d], ctx.generators[d]);
+        }
         else
           step.op->callBoxed(stack);
         uint32_t out = step.firstOutput;
@@ -632,7 +656,7 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
           if (t.layout() != at::kStrided || t.is_quantized() || t.is_nested())
             throw std::runtime_error("returned a non-strided tensor; rgpu supports strided "
                                      "tensors only");
-          if (step.zeroFill && !ctx.device.is_cpu()) // CPU memory is zeroed as it is allocated
+          if (step.zeroFill && !t.is_cpu()) // CPU memory is zeroed as it is allocated
             t.zero_();
           if (exactLayout) // else the graph's metas are placeholders the run will answer
             conformToMeta(t, *metas[k]);

@@ -40,10 +40,11 @@ struct Entry {
   ErrorPtr error;
 };
 
-/// What a run needs besides the plan.
+/// What a run needs besides the plan: the server's devices (rgpu:i runs on devices[i]) and
+/// the session's generator for each of them (devices that are the same device share one).
 struct RunContext {
-  at::Device device{at::kCPU};
-  at::Generator generator;
+  llvm::ArrayRef<at::Device> devices;
+  llvm::ArrayRef<at::Generator> generators;
 };
 
 /// The sizes of one run of a symbolic plan (Plan::resolve): every value's layout, and the
@@ -95,13 +96,16 @@ public:
   /// False for the plan of a graph whose hash another graph already held: it belongs to the
   /// session that defined it and is never compiled.
   bool shared = true;
+  /// The highest rgpu device index a Device argument of the graph names (0 without one).
+  uint32_t maxDevice = 0;
 
 private:
   /// How to produce one stack slot.
   struct Slot {
     enum Kind : uint8_t { Const, Tensor, TensorList, OptTensorList, Scalar, ScalarList, Generator, Device };
     Kind kind;
-    uint32_t a = 0, b = 0; // Const: index; Tensor: value id; lists: [a, a+b) in listItems_
+    uint32_t a = 0, b = 0; // Const: index; Tensor: value id; lists: [a, a+b) in listItems_;
+                           // Device: the rgpu device index
   };
   struct Step {
     std::optional<c10::OperatorHandle> op;
@@ -119,6 +123,8 @@ private:
     /// A random op with no generator argument: it draws from the process default generator,
     /// which is swapped for the session's around it.
     bool seeded = false;
+    /// The rgpu device its Device argument names, or -1 without one.
+    int32_t device = -1;
     /// An op of the `empty` family: its outputs are zero-filled, so no session ever reads
     /// bytes that it did not write (memory is reused across sessions).
     bool zeroFill = false;

@@ -19,8 +19,11 @@ C10_DECLARE_bool(caffe2_cpu_allocator_do_zero_fill);
 
 namespace rgpu::server {
 
-Context::Context(at::Device device, wire::Limits limits, std::unique_ptr<Compiler> compiler)
-    : device_(device), limits_(limits), compiler_(std::move(compiler)) {
+Context::Context(std::vector<at::Device> devices, wire::Limits limits,
+                 std::unique_ptr<Compiler> compiler)
+    : devices_(std::move(devices)), limits_(limits), compiler_(std::move(compiler)) {
+  if (devices_.empty())
+    devices_.push_back(at::kCPU);
   // Host memory is reused across sessions: every CPU allocation is zeroed, so no session reads
   // bytes another one left behind (the empty family, kernels that leave parts of an output
   // unwritten, staging buffers). The cost is measured in bench/PlanBench.cpp.
@@ -191,6 +194,11 @@ std::shared_ptr<const Plan> Context::define(const ir::Hash128 &hash, ir::Graph g
   std::shared_ptr<Plan> plan = Plan::build(std::move(graph), error, limits_.maxTensorBytes);
   if (!plan)
     return nullptr;
+  if (plan->maxDevice >= devices_.size()) {
+    error = "the graph names rgpu:" + std::to_string(plan->maxDevice) + ", and this server has " +
+            std::to_string(devices_.size()) + " device(s)";
+    return nullptr;
+  }
   plan->hash = hash;
   plan->bytes = bytes;
   plan->buildNs = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -227,13 +235,20 @@ struct Session::Partial {
   at::Tensor cpu;
   ir::TensorMeta meta;
   uint64_t received = 0;
+  uint8_t device = 0;
   ErrorPtr error; ///< Its buffer could not be allocated.
 };
 
 Session::Session(Context &ctx, std::string peer, Admission admission,
                  const std::atomic<bool> *cancelled)
     : ctx_(ctx), peer_(std::move(peer)), admission_(std::move(admission)), cancelled_(cancelled) {
-  generator_ = at::globalContext().defaultGenerator(ctx_.device()).clone();
+  const std::vector<at::Device> &devices = ctx_.devices();
+  for (size_t i = 0; i < devices.size(); ++i) {
+    auto same = std::find(devices.begin(), devices.begin() + i, devices[i]);
+    generators_.push_back(same != devices.begin() + i
+                              ? generators_[same - devices.begin()]
+                              : at::globalContext().defaultGenerator(devices[i]).clone());
+  }
   account_ = ctx_.openAccount();
   ++ctx_.sessions;
 }
@@ -275,6 +290,7 @@ struct ResultItem {
   kj::Array<kj::byte> data;
   std::vector<ir::TensorMeta> metas;
   std::string text;
+  uint8_t device = 0; ///< MEMORY: the rgpu device whose figures it gives
 };
 } // namespace
 
@@ -402,18 +418,27 @@ FrameOutcome Session::serve(const net::Frame &frame) {
             release(h);
         break;
       }
-      case wire::Command::SEED: {
-        std::lock_guard<std::mutex> lock(generator_.mutex());
-        generator_.set_current_seed(cmd.getSeed());
+      case wire::Command::SEED:
+        for (at::Generator &g : generators_) {
+          std::lock_guard<std::mutex> lock(g.mutex());
+          g.set_current_seed(cmd.getSeed()); // as torch.manual_seed seeds every device
+        }
         break;
-      }
       case wire::Command::STATS:
         results.push_back({wire::Result::STATS, nullptr, {}});
         break;
-      case wire::Command::MEMORY:
-        device::apply(ctx_.device(), cmd.getMemory());
+      case wire::Command::MEMORY: {
+        uint8_t index = cmd.getMemory().getDevice();
+        if (index >= ctx_.devices().size()) {
+          fatal = "a memory request for rgpu:" + std::to_string(index) + " of a server with " +
+                  std::to_string(ctx_.devices().size()) + " devices";
+          break;
+        }
+        device::apply(ctx_.devices()[index], cmd.getMemory());
         results.push_back({wire::Result::MEMORY, nullptr, {}});
+        results.back().device = index;
         break;
+      }
       case wire::Command::HOST_STORE:
         results.push_back({wire::Result::TEXT, nullptr, {}, {}});
         results.back().text = groups_.hostStore(ctx_.storeHost, std::chrono::minutes(30));
@@ -431,8 +456,9 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         break;
       }
       case wire::Command::SYNC:
-        if (ctx_.device().is_cuda())
-          at::detail::getCUDAHooks().deviceSynchronize(ctx_.device().index());
+        for (const at::Device &d : ctx_.devices())
+          if (d.is_cuda())
+            at::detail::getCUDAHooks().deviceSynchronize(d.index());
         results.push_back({wire::Result::DONE, nullptr, {}});
         break;
       default:
@@ -479,7 +505,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       break;
     }
     case wire::Result::STATS: stats(rs[i].initStats()); break;
-    case wire::Result::MEMORY: device::figures(ctx_.device(), rs[i].initMemory()); break;
+    case wire::Result::MEMORY: device::figures(ctx_.devices()[item.device], rs[i].initMemory()); break;
     case wire::Result::TEXT: rs[i].setText(item.text); break;
     default: rs[i].setDone(); break;
     }
@@ -554,6 +580,9 @@ void Session::fillHello(wire::HelloReply::Builder h, const std::string &serverMa
   h.setProtocol(wire::kProtocolVersion);
   h.setTorchVersion(bridge::torchVersion());
   h.setDevice(ctx_.device().str());
+  auto devices = h.initDevices(ctx_.devices().size());
+  for (size_t i = 0; i < ctx_.devices().size(); ++i)
+    devices.set(i, ctx_.devices()[i].str());
   h.setCompiler(ctx_.compiler() ? "inductor" : "plan");
   h.setGraphBudget(ctx_.budgets.graphMemory);
   h.setInstance(data(ctx_.instance));
@@ -869,11 +898,20 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   use.buildNs = plan->buildNs;
   use.shared = plan->shared;
   // Compiled code runs only when every input holds a value (the plan propagates errors node by
-  // node) and the output layouts are known (not the data-dependent path).
+  // node) and the output layouts are known (not the data-dependent path). Inductor compiles
+  // for rgpu:0's device: a graph on another one runs on the plan.
   std::shared_ptr<const CompiledGraph> compiled;
   bool queued = false;
+  auto onCompilerDevice = [&] {
+    for (uint32_t d = 0; d <= plan->maxDevice; ++d)
+      if (ctx_.devices()[d] != ctx_.device())
+        return false;
+    return std::all_of(inputs.begin(), inputs.end(),
+                       [&](const Entry &e) { return e.tensor.device() == ctx_.device(); });
+  };
   if (ctx_.compiler() && plan->shared && !r.getReplyMetas() &&
-      std::none_of(inputs.begin(), inputs.end(), [](const Entry &e) { return bool(e.error); }))
+      std::none_of(inputs.begin(), inputs.end(), [](const Entry &e) { return bool(e.error); }) &&
+      onCompilerDevice())
     compiled = ctx_.compiler()->lookup(plan, scalars, symbols, inputs, queued);
   auto name = [&] { return "graph " + hash.hex().substr(0, 12); };
   if (queued)
@@ -898,7 +936,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     }
   }
   if (!ran)
-    if (ErrorPtr e = plan->run(inputs, scalars, {ctx_.device(), generator_}, outputs,
+    if (ErrorPtr e = plan->run(inputs, scalars, {ctx_.devices(), generators_}, outputs,
                                !r.getReplyMetas(), sized))
       fail(e);
   uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -930,6 +968,9 @@ void Session::upload(wire::Upload::Reader r) {
   std::string why;
   if (!wire::decodeMeta(r.getMeta(), meta) || meta.storageBytes() < 0)
     why = "its tensor meta is malformed";
+  else if (r.getDevice() >= ctx_.devices().size())
+    why = "it names rgpu:" + std::to_string(r.getDevice()) + ", and this server has " +
+          std::to_string(ctx_.devices().size()) + " device(s)";
   else if (uint64_t(meta.storageBytes()) > ctx_.limits().maxTensorBytes)
     why = "its " + std::to_string(meta.storageBytes() >> 20) +
           " MiB are more than this server's limit per tensor";
@@ -939,9 +980,10 @@ void Session::upload(wire::Upload::Reader r) {
   else if (offset > total || data.size() > total - offset)
     why = "its chunk at offset " + std::to_string(offset) + " of " +
           std::to_string(data.size()) + " bytes ends past the total";
-  else if (offset != 0 && (!earlier || !(earlier->meta == meta)))
+  else if (offset != 0 && (!earlier || !(earlier->meta == meta) || earlier->device != r.getDevice()))
     why = "a chunk at offset " + std::to_string(offset) +
-          (earlier ? " disagrees with the first chunk's meta" : " came without a first chunk");
+          (earlier ? " disagrees with the first chunk's meta or device"
+                   : " came without a first chunk");
   else if (offset != 0 && offset != earlier->received)
     why = "its chunk at offset " + std::to_string(offset) + " does not follow the " +
           std::to_string(earlier->received) + " bytes received"; // chunks cover every byte once
@@ -956,11 +998,12 @@ void Session::upload(wire::Upload::Reader r) {
   if (offset == 0) {
     part = std::make_unique<Partial>();
     part->meta = meta;
+    part->device = r.getDevice();
     try {
       part->cpu = at::empty_strided(meta.sizes, meta.strides,
                                     at::TensorOptions()
                                         .dtype(bridge::scalarType(meta.dtype))
-                                        .pinned_memory(device::pinned(ctx_.device())));
+                                        .pinned_memory(device::pinned(ctx_.devices()[part->device])));
     } catch (const c10::Error &e) {
       // Over a quota, or out of memory: the upload's chunks are taken and dropped, and its
       // handle holds the error; the session goes on.
@@ -982,7 +1025,8 @@ void Session::upload(wire::Upload::Reader r) {
   }
   Entry e;
   try {
-    e.tensor = ctx_.device().is_cpu() ? part->cpu : device::toDevice(part->cpu, ctx_.device());
+    const at::Device &dev = ctx_.devices()[part->device];
+    e.tensor = dev.is_cpu() ? part->cpu : device::toDevice(part->cpu, dev);
   } catch (const c10::Error &err) { // CUDA out of memory
     e.error = sessionError("upload of " + memory::sizeText(total) + " for handle " +
                            std::to_string(handle) + ": " + err.what_without_backtrace());

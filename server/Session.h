@@ -47,9 +47,13 @@ class Session;
 class Context {
 public:
   /// \p compiler is null for --compiler plan.
-  Context(at::Device device, wire::Limits limits, std::unique_ptr<Compiler> compiler = nullptr);
+  /// rgpu:i runs on \p devices[i] (--devices); \p compiler compiles for devices[0].
+  Context(std::vector<at::Device> devices, wire::Limits limits,
+          std::unique_ptr<Compiler> compiler = nullptr);
 
-  at::Device device() const { return device_; }
+  /// rgpu:0's device: the one memory figures and Inductor are for by default.
+  at::Device device() const { return devices_[0]; }
+  const std::vector<at::Device> &devices() const { return devices_; }
   const wire::Limits &limits() const { return limits_; }
   Compiler *compiler() const { return compiler_.get(); }
 
@@ -104,7 +108,7 @@ public:
   std::optional<std::string> deviceLost();
 
 private:
-  at::Device device_;
+  std::vector<at::Device> devices_;
   wire::Limits limits_;
   std::unique_ptr<Compiler> compiler_;
   std::atomic<bool> deviceLost_{false};
@@ -219,7 +223,9 @@ private:
   uint64_t resumeFrom_ = 0;
   void fillHello(wire::HelloReply::Builder h, const std::string &serverMac);
   wire::Error::Kind fatalKind_ = wire::Error::Kind::PROTOCOL;
-  at::Generator generator_;
+  /// The session's random state for each of ctx_.devices(); devices that are the same device
+  /// share one generator.
+  std::vector<at::Generator> generators_;
   /// Keyed by the client's handles: any 64-bit value, so not an llvm::DenseMap, which reserves
   /// two keys (session_fuzz found a Run binding ~0 corrupt it).
   std::unordered_map<uint64_t, Entry> tensors_;

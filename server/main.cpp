@@ -13,6 +13,7 @@
 #include "Session.h"
 
 #include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/DeviceType.h>
 
 #include "rgpu/net/Auth.h"
@@ -48,6 +49,10 @@ options:
                          memory fails that op (the allocator's cache is emptied); an
                          error CUDA cannot recover from (a device-side assert) fails
                          that run, then the server exits with status 75 to be restarted
+  --devices LIST         several devices, comma-separated (cuda:0,cuda:1; cpu,cpu): clients
+                         see them as rgpu:0, rgpu:1, ... (torch.rgpu.device_count()). Copies
+                         between them run here. Inductor compiles graphs on the first one;
+                         graphs on the others run on the plan executor
   --socket PATH          the Unix-domain socket to listen on (default, when neither
                          --port nor --bind is given: $XDG_RUNTIME_DIR/rgpu/opserver.sock,
                          else ~/.rgpu/opserver.sock). Its directory is made private to
@@ -862,7 +867,7 @@ int main(int argc, char **argv) {
         for (const auto &[op, why] : policy::refusedOps())
           std::printf("%s: %s\n", op.c_str(), why.c_str());
         return 0;
-      } else if (a == "--device") {
+      } else if (a == "--device" || a == "--devices") {
         device = value();
       } else if (a == "--port") {
         port = std::stoi(value());
@@ -950,10 +955,31 @@ int main(int argc, char **argv) {
   bool cuda = at::globalContext().hasCUDA();
   if (device.empty())
     device = cuda ? "cuda" : "cpu";
-  if (device != "cpu" && device != "cuda")
-    return fail("unknown device '" + device + "': use --device cuda or --device cpu");
-  if (device == "cuda" && !cuda)
-    return fail("--device cuda: no usable CUDA device on this machine (use --device cpu)");
+  std::vector<at::Device> devices;
+  for (llvm::StringRef rest = device; !rest.empty();) {
+    auto [item, tail] = rest.split(',');
+    rest = tail;
+    if (item == "cpu") {
+      devices.emplace_back(at::kCPU);
+      continue;
+    }
+    unsigned index = 0;
+    if (item != "cuda" && (!item.consume_front("cuda:") || item.getAsInteger(10, index)))
+      return fail("unknown device '" + item.str() + "': use cuda, cuda:N or cpu (--devices "
+                  "cuda:0,cuda:1)");
+    if (!cuda)
+      return fail("--device " + device + ": no usable CUDA device on this machine (use cpu)");
+    int count = at::detail::getCUDAHooks().deviceCount();
+    if (int(index) >= count)
+      return fail("--device " + device + ": this machine has " + std::to_string(count) +
+                  " CUDA device(s), numbered from 0");
+    devices.emplace_back(at::kCUDA, c10::DeviceIndex(index));
+  }
+  if (devices.empty() || devices.size() > 64)
+    return fail("--devices takes 1 to 64 devices, not '" + device + "'");
+  if (std::any_of(devices.begin(), devices.end(),
+                  [&](const at::Device &d) { return d.type() != devices[0].type(); }))
+    return fail("--devices " + device + " mixes CPU and CUDA devices");
   // TCP only when asked for; the Unix socket when asked for or when nothing else is.
   bool tcp = port >= 0 || !bind.empty();
   if (port < 0)
@@ -982,7 +1008,7 @@ int main(int argc, char **argv) {
   }
 
   Server server;
-  at::Device dev(device == "cuda" ? at::kCUDA : at::kCPU, device == "cuda" ? 0 : -1);
+  const at::Device dev = devices[0];
   std::unique_ptr<Compiler> inductor;
   if (compiler == "inductor") {
     compile.python = python;
@@ -992,7 +1018,7 @@ int main(int argc, char **argv) {
     compile.worker = dir.substr(0, dir.rfind('/') + 1) + "inductor_worker.py";
     inductor = std::make_unique<Compiler>(compile, dev);
   }
-  server.ctx = std::make_unique<Context>(dev, limits, std::move(inductor));
+  server.ctx = std::make_unique<Context>(devices, limits, std::move(inductor));
   server.ctx->maxSessions = maxConnections;
   server.ctx->budgets = budgets;
   server.ctx->storeHost = storeHost;
@@ -1043,7 +1069,11 @@ int main(int argc, char **argv) {
   } catch (const std::system_error &e) {
     return fail(std::string("cannot start the worker threads: ") + e.what());
   }
-  log("listening on " + where + ", device " + server.ctx->device().str() + ", compiler " +
+  std::string deviceText;
+  for (const at::Device &d : devices)
+    deviceText += (deviceText.empty() ? "" : ",") + d.str();
+  log("listening on " + where + (devices.size() > 1 ? ", devices " : ", device ") + deviceText +
+      ", compiler " +
       compiler + (compiler == "inductor" ? ", cache " + compile.cacheDir : "") + ", " +
       std::to_string(workers) + " workers, memory limit " +
       (memoryLimit ? memory::sizeText(memoryLimit) : std::string("none")) +

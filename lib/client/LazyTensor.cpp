@@ -9,10 +9,10 @@ namespace rgpu::client {
 
 DeviceData::~DeviceData() { Session::get().release(handle); }
 
-LazyTensorImpl::LazyTensorImpl(Value v, const ir::TensorMeta &meta)
+LazyTensorImpl::LazyTensorImpl(Value v, const ir::TensorMeta &meta, c10::DeviceIndex index)
     : c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                       c10::scalarTypeToTypeMeta(static_cast<c10::ScalarType>(meta.dtype)),
-                      c10::Device(c10::DeviceType::PrivateUse1, 0)),
+                      c10::Device(c10::DeviceType::PrivateUse1, index)),
       value(std::move(v)) {
   // A storage without data: it gives the tensor an identity and a size for tools that inspect
   // storages (dynamo's fake tensors), while data_ptr() raises, as nothing is allocated here.
@@ -40,7 +40,7 @@ c10::intrusive_ptr<c10::TensorImpl>
 LazyTensorImpl::shallow_copy_and_detach(const c10::VariableVersion &version_counter,
                                         bool allow_tensor_metadata_change) const {
   Session::Lock lock(Session::get());
-  auto impl = c10::make_intrusive<LazyTensorImpl>(value, meta());
+  auto impl = c10::make_intrusive<LazyTensorImpl>(value, meta(), device().index());
   copy_tensor_metadata(this, impl.get(), version_counter, allow_tensor_metadata_change);
   return impl;
 }
@@ -49,7 +49,7 @@ c10::intrusive_ptr<c10::TensorImpl>
 LazyTensorImpl::shallow_copy_and_detach(c10::VariableVersion &&version_counter,
                                         bool allow_tensor_metadata_change) const {
   Session::Lock lock(Session::get());
-  auto impl = c10::make_intrusive<LazyTensorImpl>(value, meta());
+  auto impl = c10::make_intrusive<LazyTensorImpl>(value, meta(), device().index());
   copy_tensor_metadata(this, impl.get(), std::move(version_counter), allow_tensor_metadata_change);
   return impl;
 }

@@ -57,6 +57,7 @@ struct Session::Command {
   uint32_t count = 0;
   bool replyMetas = false;
   bool resetPeak = false, emptyCache = false; ///< A MemoryRequest's.
+  uint8_t device = 0;                          ///< An Upload's or a MemoryRequest's.
   std::string store, prefix;                  ///< A JoinGroup's (rank: handle, size: count).
   ir::TensorMeta meta;
   at::Tensor data; ///< A private CPU copy of an upload's bytes.
@@ -582,7 +583,7 @@ void Session::maybeCutAtCap() {
 // Data in and out
 //===----------------------------------------------------------------------===//
 
-Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta) {
+Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta, int device) {
   Lock lock(*this);
   // Take the bytes now: the caller may overwrite its tensor right after this returns.
   at::Tensor cpu = src.is_non_overlapping_and_dense() && src.storage_offset() == 0
@@ -598,6 +599,7 @@ Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta) {
     Command c;
     c.kind = wire::Command::UPLOAD;
     c.handle = handle;
+    c.device = uint8_t(device);
     c.meta = meta;
     c.data = cpu;
     c.offset = off;
@@ -818,13 +820,22 @@ Transport::ServerHello Session::serverHello() {
   return transport_.serverHello();
 }
 
-Session::DeviceMemory Session::deviceMemory(bool resetPeak, bool emptyCache) {
+int Session::deviceCount() {
+  try {
+    return int(serverHello().devices.size());
+  } catch (const std::exception &) {
+    return 1;
+  }
+}
+
+Session::DeviceMemory Session::deviceMemory(int device, bool resetPeak, bool emptyCache) {
   Lock lock(*this);
   cut("memory figures");
   Command c;
   c.kind = wire::Command::MEMORY;
   c.resetPeak = resetPeak;
   c.emptyCache = emptyCache;
+  c.device = uint8_t(device);
   queue(std::move(c));
   Reply reply = flush(true);
   if (reply.memory.empty())
@@ -922,6 +933,7 @@ Session::Reply Session::flush(bool wantReply) {
       u.setHandle(c.handle);
       wire::encodeMeta(c.meta, u.initMeta());
       u.setOffset(c.offset);
+      u.setDevice(c.device);
       u.setTotal(c.meta.storageBytes());
       u.setData(kj::arrayPtr(static_cast<const kj::byte *>(c.data.data_ptr()) + c.offset,
                              c.length));
@@ -951,6 +963,7 @@ Session::Reply Session::flush(bool wantReply) {
       auto m = cb.initMemory();
       m.setResetPeak(c.resetPeak);
       m.setEmptyCache(c.emptyCache);
+      m.setDevice(c.device);
       break;
     }
     case wire::Command::SYNC: cb.setSync(); break;

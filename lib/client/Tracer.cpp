@@ -48,8 +48,8 @@ at::Tensor withMathBits(at::Tensor t, uint8_t bits) {
   return t;
 }
 
-at::Tensor makeLazy(Value v, const ir::TensorMeta &m, uint8_t bits = 0) {
-  at::Tensor t = at::detail::make_tensor<LazyTensorImpl>(std::move(v), m);
+at::Tensor makeLazy(Value v, const ir::TensorMeta &m, c10::DeviceIndex device, uint8_t bits = 0) {
+  at::Tensor t = at::detail::make_tensor<LazyTensorImpl>(std::move(v), m, device);
   // The server's tensor carries the same bits: it ran the same `_conj`/`_neg_view` views.
   if (bits & 1)
     t.unsafeGetTensorImpl()->_set_conj(true);
@@ -82,6 +82,13 @@ bool producesOtherLayouts(llvm::StringRef name) {
          name.startswith("quantize_per") || name.startswith("nested_") ||
          name.startswith("make_per_") || name.startswith("coo_") || name.startswith("csr_");
 }
+
+/// The rgpu device index \p d names: its own, else the current device.
+c10::DeviceIndex indexOf(const c10::Device &d) { return d.has_index() ? d.index() : currentDevice(); }
+
+/// Ops whose tensors may be on different rgpu devices: copies between them, which the server
+/// runs (the result is on the destination's device).
+bool crossesDevices(llvm::StringRef name) { return name == "aten::copy"; }
 
 /// Ops that accept CPU tensors with an rgpu self, as they do with CUDA: the CPU tensors are
 /// uploaded (copy's source, the index tensors of indexing).
@@ -165,6 +172,12 @@ public:
   }
 
   bool dataDependent = false;
+
+  /// The rgpu device of the op's outputs: the one its device argument names, else its first
+  /// rgpu operand's, else the current device.
+  c10::DeviceIndex outputDevice() const {
+    return namedDevice_ >= 0 ? namedDevice_ : operandDevice_ >= 0 ? operandDevice_ : currentDevice();
+  }
 
   /// Output metas, from the meta cache or computed on the meta device (valid until the next op
   /// is recorded). Null if the op's output shape depends on data (or it has no meta kernel), in
@@ -353,11 +366,17 @@ private:
     case bridge::ArgType::Number:
       addScalar(v.toScalar(), ir::ScalarForm::Scalar, v);
       return;
-    case bridge::ArgType::Device:
+    case bridge::ArgType::Device: {
+      c10::Device d = v.toDevice();
+      if (d.is_privateuseone()) { // "rgpu" is the current device: named, so graphs agree
+        d = c10::Device(d.type(), indexOf(d));
+        namedDevice_ = d.index();
+      }
       node_->node.args.push_back(Arg::ref(Arg::Kind::Device, node_->node.strings.size()));
-      node_->node.strings.push_back(v.toDevice().str());
+      node_->node.strings.push_back(d.str());
       meta_.emplace_back(c10::Device(at::kMeta));
       return;
+    }
     case bridge::ArgType::Generator:
       TORCH_CHECK_TYPE(false, "rgpu: ", fullName(op_), " was given an explicit generator=; rgpu "
                        "tensors draw from the server's generator, seeded by torch.manual_seed");
@@ -480,8 +499,15 @@ private:
       Session::get().checkCurrent(v);
       meta = impl->meta();
       bits = mathBits(*impl);
+      c10::DeviceIndex d = impl->device().index();
+      TORCH_CHECK(operandDevice_ < 0 || d == operandDevice_ || crossesDevices(name_),
+                  "Expected all tensors to be on the same device, but found at least two "
+                  "devices, rgpu:", int(operandDevice_), " and rgpu:", int(d),
+                  "! (when checking argument '", argName, "' of ", fullName(op_), ")");
+      if (operandDevice_ < 0)
+        operandDevice_ = d;
     } else if (t.device().is_cpu() && acceptsCpuTensors(name_)) {
-      v = Session::get().upload(t, meta);
+      v = Session::get().upload(t, meta, outputDevice());
     } else {
       TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two "
                   "devices, rgpu:0 and ", t.device(), "! (when checking argument '", argName,
@@ -561,6 +587,7 @@ private:
   std::vector<Deferred> deferred_;
   std::vector<ir::TensorMeta> operandMetas_;
   std::string operandBits_; ///< Each operand's mathBits, for the meta cache key.
+  c10::DeviceIndex namedDevice_ = -1, operandDevice_ = -1;
 };
 
 /// Wraps outputs for the user unless we are already inside functionalization (which wraps them
@@ -607,9 +634,10 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
       at::Tensor src = self.to(dtype.value_or(self.scalar_type()), false, false,
                                fmt.value_or(at::MemoryFormat::Preserve));
       ir::TensorMeta meta;
-      Value v = Session::get().upload(src, meta);
+      c10::DeviceIndex index = indexOf(device.value_or(c10::Device(c10::DeviceType::PrivateUse1)));
+      Value v = Session::get().upload(src, meta, index);
       torch::jit::drop(*stack, nargs);
-      stack->emplace_back(forUser(makeLazy(std::move(v), meta)));
+      stack->emplace_back(forUser(makeLazy(std::move(v), meta, index)));
       return true;
     }
     if (!device || !device->is_cpu())
@@ -653,9 +681,10 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
         src.scalar_type() != self.scalar_type())
       return false;
     ir::TensorMeta meta;
-    Value v = Session::get().upload(src, meta);
+    c10::DeviceIndex index = self.device().index();
+    Value v = Session::get().upload(src, meta, index);
     torch::jit::drop(*stack, nargs);
-    stack->emplace_back(forUser(makeLazy(std::move(v), meta)));
+    stack->emplace_back(forUser(makeLazy(std::move(v), meta, index)));
     return true;
   }
   return false;
@@ -747,6 +776,7 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   Recorder rec(op, name);
   rec.addArgs(torch::jit::last(*stack, nargs));
   const OpMetas *traced = rec.inferMetas();
+  const c10::DeviceIndex device = rec.outputDevice();
   llvm::IntrusiveRefCntPtr<TraceNode> node = rec.node();
   node->location = location;
   node->seq = session.nextSeq();
@@ -759,7 +789,8 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     for (uint32_t i = 0; i < metas.outputs.size(); ++i)
       outs.push_back(metas.outputs[i].dtype == ir::dtype::Undefined
                          ? at::Tensor()
-                         : makeLazy(Value{node, i, nullptr}, metas.outputs[i], metas.bits[i]));
+                         : makeLazy(Value{node, i, nullptr}, metas.outputs[i], device,
+                                    metas.bits[i]));
     listSizes = metas.listSizes;
   } else {
     size_t count = schema.returns().size();
@@ -769,7 +800,7 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
         "rgpu: ", Recorder::fullName(op), " has data-dependent output shapes and returns a list");
     node->node.outputs.assign(count, ir::TensorMeta());
     for (auto &[value, meta] : session.runNow(node))
-      outs.push_back(makeLazy(std::move(value), meta));
+      outs.push_back(makeLazy(std::move(value), meta, device));
     listSizes.assign(count, -1);
   }
   torch::jit::drop(*stack, nargs);
@@ -807,18 +838,30 @@ void toCopyStaysFunctional(const c10::OperatorHandle &op, c10::DispatchKeySet ke
     stack->back() = fz::to_functional_tensor(out);
 }
 
-/// rgpu has one logical device and no streams: a guard has nothing to switch.
+thread_local c10::DeviceIndex tlsDevice = 0;
+
+/// rgpu's devices are the server's (--devices); the current one is per thread, as CUDA's is.
+/// There are no streams: one per device, in order.
 struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
-  c10::Device exchangeDevice(c10::Device) const override { return {type(), 0}; }
-  c10::Device getDevice() const override { return {type(), 0}; }
-  void setDevice(c10::Device) const override {}
-  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Device exchangeDevice(c10::Device d) const override {
+    c10::Device old = getDevice();
+    setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override { return {type(), tlsDevice}; }
+  void setDevice(c10::Device d) const override { uncheckedSetDevice(d); }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.has_index())
+      tlsDevice = d.index();
+  }
   c10::Stream getStream(c10::Device d) const noexcept override {
     return c10::Stream(c10::Stream::DEFAULT, d);
   }
   c10::Stream exchangeStream(c10::Stream s) const noexcept override { return s; }
-  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return c10::DeviceIndex(Session::get().deviceCount());
+  }
   void record(void **, const c10::Stream &, const c10::DeviceIndex,
               const c10::EventFlag) const override {}
   void block(void *, const c10::Stream &) const override {}
@@ -834,13 +877,13 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
   bool isAvailable() const override { return true; }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
-  c10::DeviceIndex deviceCount() const override { return 1; }
-  c10::DeviceIndex getCurrentDevice() const override { return 0; }
+  c10::DeviceIndex deviceCount() const override { return c10::DeviceIndex(Session::get().deviceCount()); }
+  c10::DeviceIndex getCurrentDevice() const override { return tlsDevice; }
   const at::Generator &getDefaultGenerator(c10::DeviceIndex) const override {
     static at::Generator generator = at::make_generator<at::CPUGeneratorImpl>();
     return generator;
   }
-  at::Device getDeviceFromPtr(void *) const override { return {c10::DeviceType::PrivateUse1, 0}; }
+  at::Device getDeviceFromPtr(void *) const override { return {c10::DeviceType::PrivateUse1, tlsDevice}; }
   bool isPinnedPtr(const void *) const override { return false; }
   at::Allocator *getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
 };
@@ -851,6 +894,9 @@ const bool hooksRegistered = [] {
 }();
 
 } // namespace
+
+c10::DeviceIndex currentDevice() { return tlsDevice; }
+void setCurrentDevice(c10::DeviceIndex index) { tlsDevice = index; }
 
 void registerWholeOps() {
   // Composite kernels outrank a backend fallback in the dispatcher, and the generated ones

@@ -237,7 +237,11 @@ Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &w
     instance_ = instance;
     graceSeconds_ = hr.getSessionGrace();
     graphBudget_ = hr.getGraphBudget();
-    serverHello_ = {hr.getProtocol(), theirs, hr.getDevice(), hr.getCompiler()};
+    serverHello_ = {hr.getProtocol(), theirs, hr.getDevice(), hr.getCompiler(), {}};
+    for (capnp::Text::Reader d : hr.getDevices())
+      serverHello_.devices.push_back(d);
+    if (serverHello_.devices.empty())
+      serverHello_.devices.push_back(serverHello_.device);
   }
   return Hello::Resumed;
 }

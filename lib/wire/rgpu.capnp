@@ -128,6 +128,7 @@ struct Upload {
   offset @2 :UInt64;     # byte offset of this chunk
   total @3 :UInt64;      # bytes of the whole tensor
   data @4 :Data;
+  device @5 :UInt8;      # rgpu:device, an index into HelloReply.devices
 }
 
 struct Download {
@@ -177,6 +178,7 @@ struct JoinGroup {
 struct MemoryRequest {
   resetPeak @0 :Bool;    # reset_peak_memory_stats, before the figures are taken
   emptyCache @1 :Bool;   # empty_cache: cached blocks no tensor uses go back to the device
+  device @2 :UInt8;      # rgpu:device, an index into HelloReply.devices
 }
 
 struct DeviceMemory {
@@ -231,6 +233,8 @@ struct HelloReply {
   instance @8 :Data;      # 8 random bytes per server process: a client that cannot resume
                           # tells a restarted server from a session dropped after its grace
   sessionGrace @9 :UInt32; # seconds a disconnected session is kept for a resume
+  devices @10 :List(Text); # the server's devices (--devices): rgpu:i runs on devices[i];
+                           # `device` is devices[0]
 }
 
 struct Result {

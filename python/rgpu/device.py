@@ -18,23 +18,55 @@ def is_initialized() -> bool:
 
 
 def device_count() -> int:
-    return 1
+    """The server's devices (``rgpu-opserver --devices``): rgpu:0 .. rgpu:n-1. Asking connects
+    to the server if no sync has yet."""
+    return _C.device_count()
 
 
 def current_device() -> int:
-    return 0
+    """This thread's current device: where ``device="rgpu"`` puts tensors."""
+    return _C.current_device()
 
 
-def _check(device) -> None:
+def _index(device) -> int:
+    """The index of ``device`` (an int, "rgpu:1", a torch.device; None: the current one),
+    checked against the server's devices."""
     if device is None:
-        return
-    index = torch.device("rgpu", device).index if isinstance(device, int) else torch.device(device).index
-    if index not in (None, 0):
-        raise ValueError(f"rgpu has one device (rgpu:0), not rgpu:{index}")
+        return current_device()
+    if isinstance(device, int):
+        index = device
+    else:
+        device = torch.device(device)
+        if device.type != "rgpu":
+            raise ValueError(f"expected an rgpu device, got {device}")
+        index = current_device() if device.index is None else device.index
+    count = device_count()
+    if not 0 <= index < count:
+        raise ValueError(f"rgpu:{index} does not exist: the server has {count} device(s), "
+                         f"rgpu:0 to rgpu:{count - 1} (rgpu-opserver --devices)")
+    return index
 
 
 def set_device(device) -> None:
-    _check(device)
+    """Makes ``device`` this thread's current rgpu device, as ``torch.cuda.set_device``."""
+    _C.set_device(_index(device))
+
+
+class device:
+    """Context manager that makes ``index`` the current rgpu device, as ``torch.cuda.device``."""
+
+    def __init__(self, index):
+        self.index = None if index is None else _index(index)
+        self.previous = None
+
+    def __enter__(self):
+        self.previous = current_device()
+        if self.index is not None:
+            _C.set_device(self.index)
+
+    def __exit__(self, *exc):
+        _C.set_device(self.previous)
+        return False
 
 
 def synchronize(device=None) -> None:
@@ -81,8 +113,7 @@ class DeviceProperties:
 
 
 def _memory(device=None, reset_peak=False, empty_cache=False) -> dict:
-    _check(device)
-    return _C.device_memory(reset_peak, empty_cache)
+    return _C.device_memory(_index(device), reset_peak, empty_cache)
 
 
 def memory_allocated(device=None) -> int:
@@ -126,7 +157,8 @@ def reset_max_memory_allocated(device=None) -> None:
 
 def empty_cache() -> None:
     """Gives the server allocator's cached blocks that no tensor uses back to the device."""
-    _memory(empty_cache=True)
+    for index in range(device_count()):
+        _memory(index, empty_cache=True)
 
 
 def mem_get_info(device=None) -> tuple:

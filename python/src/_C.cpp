@@ -274,8 +274,13 @@ PYBIND11_MODULE(_C, m) {
     out["torch"] = h.torchVersion;
     out["device"] = h.device;
     out["compiler"] = h.compiler;
+    out["devices"] = h.devices;
     return out;
   });
+  m.def("device_count", [] { return Session::get().deviceCount(); },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("current_device", &rgpu::client::currentDevice);
+  m.def("set_device", &rgpu::client::setCurrentDevice);
   // The server waits for every rank of the group: other threads go on meanwhile.
   m.def("host_store", [] { return Session::get().hostStore(); },
         py::call_guard<py::gil_scoped_release>());
@@ -283,11 +288,11 @@ PYBIND11_MODULE(_C, m) {
                          uint32_t timeoutMs) {
     return Session::get().joinGroup(store, prefix, rank, size, timeoutMs);
   }, py::call_guard<py::gil_scoped_release>());
-  m.def("device_memory", [](bool resetPeak, bool emptyCache) {
+  m.def("device_memory", [](int device, bool resetPeak, bool emptyCache) {
     Session::DeviceMemory mem;
     {
       py::gil_scoped_release release;
-      mem = Session::get().deviceMemory(resetPeak, emptyCache);
+      mem = Session::get().deviceMemory(device, resetPeak, emptyCache);
     }
     py::dict out;
     out["device"] = mem.device;
@@ -302,7 +307,7 @@ PYBIND11_MODULE(_C, m) {
     out["major"] = mem.major;
     out["minor"] = mem.minor;
     return out;
-  }, py::arg("reset_peak") = false, py::arg("empty_cache") = false);
+  }, py::arg("device") = 0, py::arg("reset_peak") = false, py::arg("empty_cache") = false);
   m.def("server_stats", []() {
     Session::ServerStats st;
     {

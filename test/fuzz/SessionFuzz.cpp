@@ -11,7 +11,7 @@ using namespace rgpu;
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   static server::Context *ctx = [] {
     server::logEnabled() = false;
-    return new server::Context(at::Device(at::kCPU), fuzz::limits());
+    return new server::Context({at::Device(at::kCPU)}, fuzz::limits());
   }();
   server::Session session(*ctx, "fuzz");
   for (const net::Frame &frame : fuzz::frames(data, size, ctx->limits()))

@@ -40,7 +40,7 @@ class Server:
         # would compete for this machine's cores with every other test.
         if "--compiler" not in args:
             args = ("--compiler", "plan", *args)
-        if "--device" not in args:
+        if "--device" not in args and "--devices" not in args:
             args = ("--device", "cpu", *args)
         where = [] if socket == "default" else ["--socket", socket] if socket else ["--port", "0"]
         self.proc = subprocess.Popen(

@@ -59,12 +59,14 @@ dist.destroy_process_group()
 """
 
 DDP = """
-import json, sys, time, torch, torch.distributed as dist, rgpu
+import json, os, sys, time, torch, torch.distributed as dist, rgpu
 sys.path.insert(0, EXAMPLES)
 from models import TinyGPT, gpt_batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 dist.init_process_group("rgpu")
 rank, size = dist.get_rank(), dist.get_world_size()
+if torch.rgpu.device_count() > 1:  # ranks sharing a server of several devices: one each
+    torch.rgpu.set_device(int(os.environ["LOCAL_RANK"]))
 torch.manual_seed(0)
 model = DDP(TinyGPT(**SIZE).to("rgpu"), bucket_cap_mb=0.01)  # several buckets
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -84,7 +86,8 @@ for step in range(STEPS):
     after = rgpu.stats()
     counts.append({k: after[k] - before[k] for k in ("waits", "messages", "bytes_out", "bytes_in")})
 params = [p.detach().cpu().tolist() for p in model.module.parameters()]
-print(json.dumps({"losses": losses, "counts": counts, "params": params}))
+devices = sorted({str(p.device) for p in model.module.parameters()})
+print(json.dumps({"losses": losses, "counts": counts, "params": params, "devices": devices}))
 dist.destroy_process_group()
 """
 
@@ -205,6 +208,15 @@ def test_what_crosses_a_client_in_a_ddp_step_does_not_grow_with_the_model(two_se
 
 def test_ddp_with_two_ranks_on_one_server(fresh_server):
     check_ddp(ddp_runs([fresh_server.address] * 2))
+
+
+def test_ddp_with_two_ranks_on_two_devices_of_one_server():
+    server = Server("--devices", "cpu,cpu")
+    try:
+        outs = check_ddp(ddp_runs([server.address] * 2))
+    finally:
+        server.stop()
+    assert [out["devices"] for out in outs] == [["rgpu:0"], ["rgpu:1"]]
 
 
 LONG_RUN = """

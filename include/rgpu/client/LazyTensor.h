@@ -60,7 +60,8 @@ struct TraceNode : llvm::ThreadSafeRefCountedBase<TraceNode> {
 
 class LazyTensorImpl final : public c10::TensorImpl {
 public:
-  LazyTensorImpl(Value value, const ir::TensorMeta &meta);
+  /// A tensor on rgpu:\p device.
+  LazyTensorImpl(Value value, const ir::TensorMeta &meta, c10::DeviceIndex device);
   ~LazyTensorImpl() override;
 
   ir::TensorMeta meta() const;
@@ -91,5 +92,9 @@ void registerWholeOps();
 
 /// The LazyTensorImpl behind \p t (unwrapping functionalization), or null if \p t is not rgpu.
 LazyTensorImpl *lazyImpl(const at::Tensor &t);
+
+/// This thread's current rgpu device (torch.rgpu.set_device), where `device="rgpu"` goes.
+c10::DeviceIndex currentDevice();
+void setCurrentDevice(c10::DeviceIndex index);
 
 } // namespace rgpu::client

@@ -107,8 +107,9 @@ public:
   /// model or a state_dict to the CPU then costs one round trip instead of one per tensor.
   /// Replaces any group already set; an empty list ends the group and drops what it fetched.
   void downloadTogether(std::vector<at::Tensor> tensors);
-  /// Uploads a CPU tensor; the bytes are copied now and sent without waiting for an answer.
-  Value upload(const at::Tensor &cpu, ir::TensorMeta &meta);
+  /// Uploads a CPU tensor to rgpu:\p device; the bytes are copied now and sent without waiting
+  /// for an answer.
+  Value upload(const at::Tensor &cpu, ir::TensorMeta &meta, int device);
   /// Runs \p node (whose inputs must all be device data) right away and returns its outputs'
   /// metas as the server computed them: the path for data-dependent output shapes.
   std::vector<std::pair<Value, ir::TensorMeta>> runNow(llvm::IntrusiveRefCntPtr<TraceNode> node);
@@ -160,7 +161,10 @@ public:
     uint64_t allocated = 0, allocatedPeak = 0, reserved = 0, reservedPeak = 0, free = 0, total = 0;
     uint32_t multiProcessors = 0, major = 0, minor = 0;
   };
-  DeviceMemory deviceMemory(bool resetPeak = false, bool emptyCache = false);
+  DeviceMemory deviceMemory(int device = 0, bool resetPeak = false, bool emptyCache = false);
+  /// How many devices the server has (rgpu:0..n-1), connecting first if need be; 1 if it
+  /// cannot be reached (the next sync then says why).
+  int deviceCount();
   /// torch.distributed among servers (python/rgpu/distributed.py): starts the job's rendezvous
   /// store on this session's server and returns its "host:port"; joins a process group of the
   /// job's servers as \p rank of \p size (waiting for all of them) and returns the group's name

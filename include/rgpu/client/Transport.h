@@ -54,6 +54,7 @@ public:
   struct ServerHello {
     uint32_t protocol = 0;
     std::string torchVersion, device, compiler;
+    std::vector<std::string> devices; ///< rgpu:i is devices[i] on the server
   };
   const ServerHello &serverHello() const { return serverHello_; }
   uint64_t reconnects() const { return reconnects_; }

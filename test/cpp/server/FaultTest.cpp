@@ -550,6 +550,42 @@ TEST(Faults, UploadChunksThatWrapOrDisagreeAreRefusedWithoutTouchingMemory) {
   expectGoodSessionUnaffected();
 }
 
+TEST(Faults, DevicesThisServerDoesNotHaveAreRefused) {
+  Beside beside;
+  Peer bad;
+  bad.hello();
+  const kj::byte bytes[12] = {};
+  // An upload to rgpu:7 of a one-device server: an error for its handle, the session goes on.
+  auto reply = bad.send(true, 1, [&](auto cmds) {
+    uploadChunk(cmds[0], 900, vec3(), 12, 0, kj::arrayPtr(bytes, 12));
+    cmds[0].getUpload().setDevice(7);
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("names rgpu:7"), std::string::npos) << Peer::errorOf(*reply);
+  // A graph copying to rgpu:9: refused at its Define.
+  ir::Graph g;
+  g.inputs = {vec3()};
+  ir::Node n;
+  n.op = ir::Symbol::get("aten::_to_copy");
+  n.operands = {0};
+  n.args = {ir::Arg::ref(ir::Arg::Kind::Tensor, 0), ir::Arg::none(), ir::Arg::none(),
+            ir::Arg::ref(ir::Arg::Kind::Device, 0), ir::Arg::none(), ir::Arg::boolean(false),
+            ir::Arg::none()};
+  n.strings = {"rgpu:9"};
+  n.outputs = {vec3()};
+  g.nodes.push_back(n);
+  g.outputs = {1};
+  reply = bad.send(true, 1, [&](auto cmds) { defineIn(cmds[0], g); });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("names rgpu:9"), std::string::npos) << Peer::errorOf(*reply);
+  EXPECT_EQ(bad.squareOnServer(), (std::vector<float>{1, 4, 9}));
+  // A memory request for rgpu:3 is malformed: the connection closes.
+  reply = bad.send(true, 1, [&](auto cmds) { cmds[0].initMemory().setDevice(3); });
+  EXPECT_TRUE(bad.closedByServer());
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
 TEST(Faults, ARunOfAnUnknownGraphPoisonsABoundedNumberOfOutputs) {
   double before = serverRssMiB();
   Beside beside;

@@ -62,7 +62,7 @@ TEST(Plan, RunsAHandBuiltGraphLikeDirectAtenCalls) {
   ir::ScalarValue alpha;
   alpha.d = 0.5;
   std::vector<server::Entry> out;
-  auto err = plan->run(in, {alpha}, {at::kCPU, at::globalContext().defaultGenerator(at::kCPU)}, out);
+  auto err = plan->run(in, {alpha}, {at::Device(at::kCPU), at::globalContext().defaultGenerator(at::kCPU)}, out);
   ASSERT_FALSE(err) << err->message;
   at::Tensor relu = at::relu(at::add(at::mm(x, w), b, 0.5));
   EXPECT_TRUE(at::allclose(out[1].tensor, relu));
@@ -83,7 +83,7 @@ TEST(Plan, AFailingNodePoisonsWhatDependsOnIt) {
   std::vector<server::Entry> in = {{at::randn({4, 3}), nullptr},
                                    {at::tensor({0, 9}, at::kLong), nullptr}};
   std::vector<server::Entry> out;
-  auto err = plan->run(in, {}, {at::kCPU, at::globalContext().defaultGenerator(at::kCPU)}, out);
+  auto err = plan->run(in, {}, {at::Device(at::kCPU), at::globalContext().defaultGenerator(at::kCPU)}, out);
   ASSERT_TRUE(err);
   EXPECT_EQ(err->op, "aten::index_select");
   EXPECT_EQ(err->location, "train.py:9");
