@@ -4,10 +4,12 @@
 // Everything else is in lib/client.
 //
 //===----------------------------------------------------------------------===//
+#include "rgpu/client/InplaceChecks.h"
 #include "rgpu/client/MetaKernels.h"
 #include "rgpu/client/Session.h"
 
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 
 #include <frameobject.h>
@@ -154,6 +156,38 @@ PYBIND11_MODULE(_C, m) {
     rgpu::client::setCheckCppMetas(on);
   });
   m.def("_cpp_meta_ops", &rgpu::client::cppMetaOps);
+  // python/rgpu/_meta.py: \p check is torch's Python meta kernel of the in-place op; it runs
+  // for signatures not seen before (InplaceChecks.h).
+  m.def("_memoize_meta_check", [](const std::string &name, const std::string &overload,
+                                  py::object check) {
+    auto fn = std::make_shared<py::object>(std::move(check)); // kept for the process's life
+    new std::shared_ptr<py::object>(fn); // never destroyed: no GIL is held at exit's teardown
+    memoizeMetaCheck({name, overload}, [fn](const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+      py::gil_scoped_acquire gil;
+      const auto &schema = op.schema();
+      const size_t n = schema.arguments().size();
+      py::list positional;
+      py::dict named;
+      auto args = torch::jit::last(*stack, n);
+      for (size_t i = 0; i < n; ++i) {
+        py::object v = torch::jit::toPyObject(args[i]);
+        if (schema.arguments()[i].kwarg_only())
+          named[py::str(schema.arguments()[i].name())] = v;
+        else
+          positional.append(v);
+      }
+      py::object out = (*fn)(*py::tuple(positional), **named);
+      torch::jit::drop(*stack, n);
+      const auto &returns = schema.returns();
+      if (returns.size() == 1) {
+        stack->push_back(torch::jit::toIValue(out, returns[0].type()));
+      } else if (returns.size() > 1) {
+        py::tuple items = out;
+        for (size_t i = 0; i < returns.size(); ++i)
+          stack->push_back(torch::jit::toIValue(items[i], returns[i].type()));
+      }
+    });
+  });
   m.def("_cpp_meta_disagreements", [] {
     Session &session = Session::get();
     Session::Lock lock(session);

@@ -164,3 +164,37 @@ def test_in_place_broadcast_errors_survive_the_memo_of_passed_checks():
     with pytest.raises(RuntimeError, match="broadcast"):
         x.add_(torch.ones(2, 3, device="rgpu"))
     assert x.cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_remembered_in_place_checks_run_no_python_and_keep_eager_results():
+    import sys
+
+    def step(params, grads, weight, alpha):
+        torch._foreach_add_(params, grads, alpha=alpha)
+        params[0].lerp_(grads[0], weight)
+        params[1].clamp_(min=-alpha)
+
+    cpu = [torch.randn(4, 3), torch.randn(5)]
+    grads = [torch.randn(4, 3), torch.randn(5)]
+    on = [p.to("rgpu") for p in cpu]
+    on_grads = [g.to("rgpu") for g in grads]
+    step(on, on_grads, 0.5, 0.25)  # the first signature runs torch's Python meta kernels
+    calls = []
+
+    def profile(frame, event, arg):  # every Python function called, but the loop's own
+        if event == "call" and frame.f_code is not step.__code__:
+            calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        for weight, alpha in ((0.1, 0.75), (0.9, 2.0)):  # new values, the same signature
+            step(on, on_grads, weight, alpha)
+    finally:
+        sys.setprofile(None)
+    assert calls == []
+    for weight, alpha in ((0.5, 0.25), (0.1, 0.75), (0.9, 2.0)):
+        step(cpu, grads, weight, alpha)
+    for a, b in zip(on, cpu):
+        torch.testing.assert_close(a.cpu(), b)
+    with pytest.raises(RuntimeError, match="broadcast|shape"):
+        on[1].lerp_(torch.ones(2, 5, device="rgpu"), 0.5)

@@ -36,6 +36,14 @@ def test_an_unusable_device_is_an_error():
     assert "no usable CUDA device" in r.stderr
 
 
+def test_device_lists_that_cannot_be_served_are_errors():
+    for devices, says in (("cpu,tpu", "unknown device 'tpu'"), (",", "1 to 64 devices"),
+                          ("cuda:x", "unknown device 'cuda:x'"),
+                          (",".join(["cpu"] * 65), "1 to 64 devices")):
+        r = run("--devices", devices, "--port", "0")
+        assert r.returncode == 2 and says in r.stderr, (devices, r.stderr)
+
+
 def test_unknown_options_are_errors():
     r = run("--frobnicate")
     assert r.returncode == 2 and "--help" in r.stderr

@@ -1,0 +1,157 @@
+#include "rgpu/client/InplaceChecks.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+
+namespace rgpu::client {
+namespace {
+
+/// Appends what a check of \p v depends on to \p key; false if the check must run anyway.
+bool addSignature(const c10::IValue &v, std::string &key) {
+  auto put = [&](const void *p, size_t n) { key.append(static_cast<const char *>(p), n); };
+  auto tag = [&](char c) { key.push_back(c); };
+  auto tensor = [&](const at::Tensor &t) {
+    if (!t.defined()) {
+      tag('u');
+      return true;
+    }
+    const c10::TensorImpl &impl = *t.unsafeGetTensorImpl();
+    if (impl.has_symbolic_sizes_strides())
+      return false;
+    tag('t');
+    int8_t dtype = int8_t(c10::typeMetaToScalarType(impl.dtype()));
+    put(&dtype, 1);
+    int64_t rank = impl.dim();
+    put(&rank, 8);
+    put(impl.sizes().data(), rank * 8);
+    put(impl.strides().data(), rank * 8);
+    uint8_t bits = (impl.is_conj() ? 1 : 0) | (impl.is_neg() ? 2 : 0);
+    put(&bits, 1);
+    return true;
+  };
+  auto scalar = [&](const c10::Scalar &s) {
+    // Integers and bools decide what a check accepts (dims, sizes); a float or complex value
+    // (lr, alpha) does not, only its type.
+    if (s.isIntegral(false) || s.isBoolean()) {
+      tag(s.isBoolean() ? 'b' : 'i');
+      int64_t i = s.isBoolean() ? s.toBool() : s.toLong();
+      put(&i, 8);
+    } else {
+      tag(s.isComplex() ? 'c' : 'f');
+    }
+  };
+  if (v.isNone()) {
+    tag('n');
+  } else if (v.isTensor()) {
+    return tensor(v.toTensor());
+  } else if (v.isTensorList()) {
+    tag('L');
+    for (const at::Tensor &t : v.toTensorList())
+      if (!tensor(t))
+        return false;
+    tag(';');
+  } else if (v.isInt() || v.isBool()) {
+    tag(v.isInt() ? 'I' : 'B');
+    int64_t i = v.isInt() ? v.toInt() : v.toBool();
+    put(&i, 8);
+  } else if (v.isDouble() || v.isComplexDouble()) {
+    tag(v.isDouble() ? 'D' : 'C');
+  } else if (v.isScalar()) {
+    scalar(v.toScalar());
+  } else if (v.isString()) {
+    tag('s');
+    key += v.toStringRef();
+    key.push_back('\0');
+  } else if (v.isDevice()) {
+    tag('d');
+    key += v.toDevice().str();
+    key.push_back('\0');
+  } else if (v.isList()) {
+    tag('[');
+    for (const c10::IValue &item : v.toListRef())
+      if (!addSignature(item, key))
+        return false;
+    tag(']');
+  } else {
+    return false; // a generator, a symbolic int, anything else: always checked
+  }
+  return true;
+}
+
+/// The Meta kernel: the signatures that passed, and the check for new ones.
+class Memoized final : public c10::OperatorKernel {
+public:
+  explicit Memoized(MetaCheck check) : check_(std::move(check)) {}
+
+  void operator()(const c10::OperatorHandle &op, c10::DispatchKeySet, torch::jit::Stack *stack) {
+    const auto &schema = op.schema();
+    const size_t nargs = schema.arguments().size();
+    auto args = torch::jit::last(*stack, nargs);
+    std::string key;
+    key.reserve(128);
+    bool keyed = true;
+    for (const c10::IValue &a : args)
+      if (!(keyed = addSignature(a, key)))
+        break;
+    if (keyed) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = passed_.find(key);
+      if (it != passed_.end()) {
+        c10::IValue self = nargs ? args[0] : c10::IValue();
+        torch::jit::drop(*stack, nargs);
+        if (it->second)
+          stack->push_back(std::move(self));
+        return;
+      }
+    }
+    c10::IValue self = nargs ? args[0] : c10::IValue();
+    const size_t base = stack->size() - nargs;
+    check_(op, stack); // raises if the op is invalid on these arguments
+    // Remembered only when it answered as in-place ops do: `self`, or nothing.
+    const size_t results = stack->size() - base;
+    bool returnsSelf = results == 1 && self.isTensor() && (*stack)[base].isTensor() &&
+                       (*stack)[base].toTensor().is_same(self.toTensor());
+    if (keyed && (results == 0 || returnsSelf)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (passed_.size() >= kMaxSignatures)
+        passed_.clear();
+      passed_.emplace(std::move(key), returnsSelf);
+    }
+  }
+
+private:
+  static constexpr size_t kMaxSignatures = 4096;
+  MetaCheck check_;
+  std::mutex mu_;
+  std::unordered_map<std::string, bool> passed_; ///< signature -> the check returned self
+};
+
+} // namespace
+
+void memoizeMetaCheck(const c10::OperatorName &op, MetaCheck check) {
+  static std::mutex mu;
+  static std::set<std::pair<std::string, std::string>> done;
+  static torch::Library *lib =
+      new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::Meta, __FILE__, __LINE__);
+  std::lock_guard<std::mutex> lock(mu);
+  if (!done.insert({op.name, op.overload_name}).second)
+    return;
+  std::string name = op.name.substr(op.name.find("::") + 2);
+  if (!op.overload_name.empty())
+    name += "." + op.overload_name;
+  // The dispatcher warns that a kernel (the Python one) is overridden: that is the point.
+  struct Silent : c10::WarningHandler {
+    void process(const c10::Warning &) override {}
+  } silent;
+  c10::WarningUtils::WarningHandlerGuard guard(&silent);
+  lib->impl(name.c_str(),
+            torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Memoized>(std::move(check))));
+}
+
+} // namespace rgpu::client
