@@ -210,6 +210,31 @@ def test_ddp_with_two_ranks_on_one_server(fresh_server):
     check_ddp(ddp_runs([fresh_server.address] * 2))
 
 
+def test_torchrun_under_rgpu_run_spreads_ranks_over_one_servers_devices(tmp_path):
+    """The README's recipe: rgpu-run points the job at one server, torchrun starts the ranks,
+    and each rank takes the device of its local rank."""
+    script = tmp_path / "train.py"
+    script.write_text(DDP.replace("EXAMPLES", repr(EXAMPLES)).replace("STEPS", "6")
+                      .replace("SIZE", "{}"))
+    bin_dir = os.path.dirname(sys.executable)
+    server = Server("--devices", "cpu,cpu")
+    try:
+        r = subprocess.run([os.path.join(bin_dir, "rgpu-run"), "--server", server.address, "--",
+                            os.path.join(bin_dir, "torchrun"), "--nproc-per-node", "2",
+                            "--master-port", str(free_port()), str(script)],
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        server.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    outs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert sorted(out["devices"] for out in outs) == [["rgpu:0"], ["rgpu:1"]]
+    losses, _ = single_process_reference(6)
+    for out in outs:
+        rank = int(out["devices"][0][-1])  # one node: the local rank is the rank
+        assert torch.allclose(torch.tensor(out["losses"]), torch.tensor([l[rank] for l in losses]),
+                              rtol=1e-5, atol=1e-6)
+
+
 def test_ddp_with_two_ranks_on_two_devices_of_one_server():
     server = Server("--devices", "cpu,cpu")
     try:
