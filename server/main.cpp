@@ -956,15 +956,16 @@ int main(int argc, char **argv) {
   if (device.empty())
     device = cuda ? "cuda" : "cpu";
   std::vector<at::Device> devices;
-  for (llvm::StringRef rest = device; !rest.empty();) {
-    auto [item, tail] = rest.split(',');
-    rest = tail;
+  llvm::SmallVector<llvm::StringRef, 8> items;
+  llvm::StringRef(device).split(items, ',', -1, /*KeepEmpty=*/true);
+  for (llvm::StringRef item : items) {
     if (item == "cpu") {
       devices.emplace_back(at::kCPU);
       continue;
     }
     unsigned index = 0;
-    if (item != "cuda" && (!item.consume_front("cuda:") || item.getAsInteger(10, index)))
+    llvm::StringRef number = item;
+    if (item != "cuda" && (!number.consume_front("cuda:") || number.getAsInteger(10, index)))
       return fail("unknown device '" + item.str() + "': use cuda, cuda:N or cpu (--devices "
                   "cuda:0,cuda:1)");
     if (!cuda)
