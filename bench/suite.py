@@ -602,7 +602,11 @@ def table(results):
     t = results.get("trace_us_per_op", {})
     if t:
         lines.append("")
-        lines.append("trace cost per op (us): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
+        spread = results.get("trace_spread", {})
+        lines.append("trace cost per op (us, median of interleaved rounds, spread): " + ", ".join(
+            f"{k} {v:.2f} ({spread.get(k, 0):.0%})" for k, v in t.items()))
+        if "rgpu" in t and "ltc" in t:
+            lines.append(f"rgpu / ltc trace cost per op: {t['rgpu'] / t['ltc']:.2f}x")
     for name, m in results.get("micro", {}).items():
         if "us" in m:
             extra = f", {m['per_item_ns']:.0f} ns per item" if "per_item_ns" in m else ""
@@ -729,12 +733,19 @@ def main():
             mine = [(system, rtt) for w, system, rtt in runs if w == workload]
             results["runs"] += measure(workload, mine, addresses, warmup, steps, rounds)
         results["noise"] = noise(results["runs"])
-        trace = {}
-        for system in ("rgpu-plan", "ltc", "cpu-eager"):
-            r = run_once("trace", system, servers["rgpu-plan"].address, timeout=300)
-            if "trace_us_per_op" in r:
-                trace["rgpu" if system == "rgpu-plan" else system] = r["trace_us_per_op"]
-        results["trace_us_per_op"] = trace
+        # Interleaved rounds, as the steps are measured: a slow spell of the machine falls on
+        # every system alike. Each figure is the median of its rounds; `trace_spread` is
+        # (max - min) / median.
+        samples = {}
+        for _ in range(3 if args.quick else 5):
+            for system in ("rgpu-plan", "ltc", "cpu-eager"):
+                r = run_once("trace", system, servers["rgpu-plan"].address, timeout=300)
+                if "trace_us_per_op" in r:
+                    name = "rgpu" if system == "rgpu-plan" else system
+                    samples.setdefault(name, []).append(r["trace_us_per_op"])
+        results["trace_us_per_op"] = {k: statistics.median(v) for k, v in samples.items()}
+        results["trace_spread"] = {k: (max(v) - min(v)) / statistics.median(v)
+                                   for k, v in samples.items()}
         results["micro"] = micro_benchmarks(args.build, servers["rgpu-plan"].address, args.quick)
         results["ddp"] = ddp_benchmark(args.quick)
     finally:
