@@ -893,6 +893,28 @@ const bool hooksRegistered = [] {
   return true;
 }();
 
+/// rgpu's bytes live on the server: nothing allocates them here. Code that asks for the
+/// device's allocator (`torch.UntypedStorage(n, device="rgpu")`) gets a clear error, not a
+/// null allocator.
+struct NoAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    TORCH_CHECK_NOT_IMPLEMENTED(n == 0, "rgpu: a storage of ", n, " bytes cannot be allocated on "
+                                "the client; rgpu tensors are made by ops (torch.empty(..., "
+                                "device=\"rgpu\"), tensor.to(\"rgpu\")), and their bytes live on "
+                                "the server");
+    return {nullptr, nullptr, &deleteNothing, c10::Device(c10::DeviceType::PrivateUse1, tlsDevice)};
+  }
+  void copy_data(void *, const void *, std::size_t count) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(count == 0, "rgpu: bytes on the server cannot be copied here");
+  }
+  static void deleteNothing(void *) {}
+};
+NoAllocator noAllocator;
+const bool allocatorRegistered = [] {
+  c10::SetAllocator(c10::DeviceType::PrivateUse1, &noAllocator);
+  return true;
+}();
+
 } // namespace
 
 c10::DeviceIndex currentDevice() { return tlsDevice; }

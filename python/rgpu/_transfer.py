@@ -13,12 +13,16 @@ Three things differ from a CUDA tensor, and each is handled here:
 * **Saving.** An rgpu tensor has no CPU-readable storage, so it pickles the way XLA tensors do:
   as its CPU value with the device name, rebuilt on rgpu by ``torch.load`` (which honours
   ``map_location``). ``torch.save`` fetches every rgpu tensor of what it saves in one frame.
+  ``torch.load(f, map_location="rgpu")`` reads the file on the CPU, then uploads each storage
+  once: torch's own path would allocate rgpu storages on the client, which holds no rgpu bytes.
+  Tensors that shared a storage in the file stay views of one tensor.
   Savers that tell shared tensors apart by their storage's address (safetensors,
   ``save_pretrained``) get an address that, like a CUDA device pointer, is not readable here:
   equal for tensors that share storage (views, tied weights), different otherwise; a tensor's
   ``data_ptr()`` is that address plus its offset, as for CUDA.
 """
 
+import collections
 import contextlib
 import functools
 import threading
@@ -139,6 +143,70 @@ def _save(obj, *args, **kwargs):
         return _original_save(obj, *args, **kwargs)
 
 
+_original_load = torch.load
+
+
+def _rgpu_device(map_location):
+    """The rgpu device a `map_location` sends every tensor to, or None."""
+    if isinstance(map_location, (str, torch.device)):
+        try:
+            device = torch.device(map_location)
+        except RuntimeError:
+            return None
+        return device if device.type == "rgpu" else None
+    return None
+
+
+def _to_device(obj, device, bases, uses, depth=0):
+    """`obj` with its CPU tensors on `device`; tensors of one storage become views of one
+    upload of it."""
+    if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes(), obj.dtype)
+        whole = obj.storage_offset() == 0 and obj.is_contiguous() and \
+            obj.numel() * obj.element_size() == storage.nbytes()
+        if uses[key] == 1 and whole:
+            moved = obj.detach().to(device)
+        else:
+            if key not in bases:
+                flat = torch.empty(0, dtype=obj.dtype).set_(
+                    storage, 0, (storage.nbytes() // obj.element_size(),), (1,))
+                bases[key] = flat.to(device)
+            moved = bases[key].as_strided(obj.size(), obj.stride(), obj.storage_offset())
+        if isinstance(obj, torch.nn.Parameter):
+            return torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
+        return moved.requires_grad_() if obj.requires_grad else moved
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, torch.nn.Module):
+        return obj.to(device)
+    if depth < 8 and isinstance(obj, dict):
+        out = type(obj)() if type(obj) in (dict, collections.OrderedDict) else {}
+        for k, v in obj.items():
+            out[k] = _to_device(v, device, bases, uses, depth + 1)
+        if hasattr(obj, "_metadata"):  # a state_dict's module versions
+            out._metadata = obj._metadata
+        return out
+    if depth < 8 and isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_to_device(v, device, bases, uses, depth + 1) for v in obj)
+    return obj
+
+
+@functools.wraps(_original_load)
+def _load(f, map_location=None, *args, **kwargs):
+    device = _rgpu_device(map_location)
+    if device is None:
+        return _original_load(f, map_location, *args, **kwargs)
+    obj = _original_load(f, "cpu", *args, **kwargs)
+    uses = collections.Counter()
+    for t in _tensors_in(obj):
+        if t.device.type == "cpu":
+            s = t.untyped_storage()
+            uses[(s.data_ptr(), s.nbytes(), t.dtype)] += 1
+    with torch.no_grad():
+        return _to_device(obj, device, {}, uses)
+
+
 _original_storage_data_ptr = torch.UntypedStorage.data_ptr
 
 
@@ -163,3 +231,4 @@ def install():
     torch.nn.Module._apply = _apply
     torch.Tensor._reduce_ex_internal = _reduce_ex_internal
     torch.save = torch.serialization.save = _save
+    torch.load = torch.serialization.load = _load

@@ -39,6 +39,13 @@ try:
 except ValueError as e:
     r["bad"] = str(e)
 r["memory"] = [torch.rgpu.memory_allocated(i) >= 0 for i in range(2)]
+import io
+buf = io.BytesIO()
+torch.save({"w": torch.arange(3.0)}, buf)
+buf.seek(0)
+loaded = torch.load(buf, map_location="rgpu:1")["w"]
+r["moved"] = [str(loaded.device), loaded.cpu().tolist(), str(torch.ones(1).rgpu(1).device),
+              torch.ones(1).to(torch.device("rgpu", 1)).get_device()]
 r["hello"] = rgpu._C.server_hello()["devices"]
 print(json.dumps(r))
 """)
@@ -49,6 +56,7 @@ print(json.dumps(r))
     assert out["torch_device"] == "rgpu:0"
     assert "rgpu:2 does not exist: the server has 2 device(s)" in out["bad"]
     assert out["memory"] == [True, True]
+    assert out["moved"] == ["rgpu:1", [0.0, 1.0, 2.0], "rgpu:1", 1]
     assert out["hello"] == ["cpu", "cpu"]
 
 

@@ -182,3 +182,39 @@ def test_safetensors_saves_rgpu_tensors_and_tells_shared_ones_apart(tmp_path):
     st.load_model(fresh, tmp_path / "m.safetensors")
     for (name, p), (_, q) in zip(fresh.named_parameters(), model.named_parameters()):
         same(q, p, rtol=0, atol=0)
+
+
+def test_a_cpu_checkpoint_loads_straight_onto_rgpu_with_its_sharing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied
+    base = torch.arange(12.0)
+    state = {"model": model.state_dict(), "view": base[2:8].view(2, 3), "base": base,
+             "param": nn.Parameter(torch.ones(3)), "step": 7, "half": torch.ones(2).half(),
+             "bool": torch.tensor([True, False])}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    for where in ("rgpu", torch.device("rgpu", 0), "rgpu:0"):
+        buf.seek(0)
+        loaded = torch.load(buf, map_location=where)
+        assert loaded["step"] == 7
+        for k in ("view", "base", "half", "bool"):
+            assert loaded[k].device.type == R and loaded[k].dtype == state[k].dtype, k
+            assert torch.equal(loaded[k].cpu(), state[k]), k
+        assert isinstance(loaded["param"], nn.Parameter) and loaded["param"].requires_grad
+        sd = loaded["model"]
+        assert list(sd) == list(model.state_dict()) and hasattr(sd, "_metadata")
+        assert torch.equal(sd["0.weight"].cpu(), model[0].weight.detach())
+        # Shared storages stay shared: an in-place change shows through the other tensor.
+        loaded["base"][3] = -1.0
+        assert loaded["view"].cpu()[0, 1].item() == -1.0
+        sd["0.weight"].mul_(2)
+        assert torch.equal(sd["1.weight"].cpu(), 2 * model[0].weight.detach())
+        fresh = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)).to(R)
+        fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), map_location=where)["model"])
+        same(fresh[0].weight, model[0].weight)
+
+
+def test_client_side_rgpu_storages_are_a_clear_error():
+    with pytest.raises(NotImplementedError, match="cannot be allocated on the client"):
+        torch.UntypedStorage(16, device="rgpu")
