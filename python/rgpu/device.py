@@ -56,7 +56,7 @@ class device:
     """Context manager that makes ``index`` the current rgpu device, as ``torch.cuda.device``."""
 
     def __init__(self, index):
-        self.index = None if index is None else _index(index)
+        self.index = None if index is None or index == -1 else _index(index)
         self.previous = None
 
     def __enter__(self):
@@ -67,6 +67,14 @@ class device:
     def __exit__(self, *exc):
         _C.set_device(self.previous)
         return False
+
+
+class device_of(device):
+    """Makes the device of tensor ``obj`` current, as ``torch.cuda.device_of``; a non-rgpu
+    tensor changes nothing."""
+
+    def __init__(self, obj):
+        super().__init__(obj.get_device() if obj.device.type == "rgpu" else None)
 
 
 def synchronize(device=None) -> None:

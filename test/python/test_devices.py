@@ -32,6 +32,10 @@ r["after_set"] = [torch.rgpu.current_device(), str(torch.zeros(2, device="rgpu")
 with torch.rgpu.device(0):
     r["inside"] = str(torch.zeros(1, device="rgpu").device)
 r["outside"] = torch.rgpu.current_device()
+with torch.rgpu.device_of(torch.ones(1, device="rgpu:0")):
+    r["device_of"] = torch.rgpu.current_device()
+with torch.rgpu.device_of(torch.ones(1)):
+    r["device_of_cpu"] = torch.rgpu.current_device()
 with torch.device("rgpu:0"):
     r["torch_device"] = str(torch.empty(3).device)
 try:
@@ -53,6 +57,7 @@ print(json.dumps(r))
     assert out["default"] == "rgpu:0"
     assert out["after_set"] == [1, "rgpu:1", "rgpu:1"]
     assert out["inside"] == "rgpu:0" and out["outside"] == 1
+    assert out["device_of"] == 0 and out["device_of_cpu"] == 1
     assert out["torch_device"] == "rgpu:0"
     assert "rgpu:2 does not exist: the server has 2 device(s)" in out["bad"]
     assert out["memory"] == [True, True]
