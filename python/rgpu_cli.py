@@ -190,8 +190,11 @@ def check(env, shown) -> int:
                   "restart rgpu-opserver")
         return 1
     gib = found["total_memory"] / 2**30
-    print(f"server: {shown}: rgpu protocol {found['protocol']}, torch {found['torch']}, device "
-          f"{found['device']} ({found['device_name']}, {gib:.1f} GiB), compiler {found['compiler']}")
+    devices = found.get("devices") or [found["device"]]
+    where = (f"device {devices[0]}" if len(devices) == 1 else
+             f"devices rgpu:0..{len(devices) - 1} = {','.join(devices)}")
+    print(f"server: {shown}: rgpu protocol {found['protocol']}, torch {found['torch']}, {where} "
+          f"({found['device_name']}, {gib:.1f} GiB), compiler {found['compiler']}")
     print("ok: this client can use that server")
     return 0
 
