@@ -510,7 +510,8 @@ private:
       v = Session::get().upload(t, meta, outputDevice());
     } else {
       TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two "
-                  "devices, rgpu:0 and ", t.device(), "! (when checking argument '", argName,
+                  "devices, rgpu:", int(outputDevice()), " and ", t.device(),
+                  "! (when checking argument '", argName,
                   "' of ", fullName(op_), ")");
     }
     node_->node.args.push_back(Arg::ref(Arg::Kind::Tensor, node_->inputs.size()));
