@@ -175,3 +175,30 @@ except (rgpu.RemoteError, rgpu.SessionLost) as e:
         assert any("restart" in line for line in s.log), "".join(s.log)
     finally:
         s.stop()
+
+
+def test_two_names_for_one_gpu_compute_and_copy_on_the_server():
+    """`--devices cuda:0,cuda:0` (one GPU on the check machine): rgpu:0 and rgpu:1 compute like
+    local CUDA, and a copy between them moves no byte through the client."""
+    s = Server("--devices", "cuda:0,cuda:0")
+    try:
+        r = run_client(s.address, """
+import json, torch, rgpu
+a = torch.randn(64, 64)
+x, y = a.to("rgpu:0"), a.to("rgpu:1")
+before = rgpu.stats()
+z = (x @ x).relu().to("rgpu:1") + y
+w = torch.empty(64, 64, device="rgpu:0"); w.copy_(z)
+rgpu.synchronize()
+after = rgpu.stats()
+want = (a.cuda() @ a.cuda()).relu() + a.cuda()
+print(json.dumps({"devices": [str(z.device), str(w.device)],
+                  "close": torch.allclose(w.cpu(), want.cpu(), rtol=1e-4, atol=1e-4),
+                  "moved": after["uploads"] - before["uploads"] + after["downloads"] - before["downloads"]}))
+""")
+    finally:
+        s.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"devices": ["rgpu:1", "rgpu:0"], "close": True, "moved": 0}
