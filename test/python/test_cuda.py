@@ -3,6 +3,7 @@ the plan, out of memory is an error the session survives, a device-side assert e
 cleanly, and torch.rgpu's memory functions agree with torch.cuda's. Skipped without CUDA; run
 on a GPU machine by tools/device/check.sh."""
 
+import json
 import os
 import time
 
@@ -199,6 +200,5 @@ print(json.dumps({"devices": [str(z.device), str(w.device)],
     finally:
         s.stop()
     assert r.returncode == 0, r.stderr[-3000:]
-    import json
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"devices": ["rgpu:1", "rgpu:0"], "close": True, "moved": 0}
