@@ -235,6 +235,27 @@ def test_torchrun_under_rgpu_run_spreads_ranks_over_one_servers_devices(tmp_path
                               rtol=1e-5, atol=1e-6)
 
 
+def test_a_backend_per_device_type_takes_rgpu_for_rgpu_tensors():
+    code = """
+import json, torch, torch.distributed as dist, rgpu
+dist.init_process_group("cpu:gloo,rgpu:rgpu")
+rank = dist.get_rank()
+torch.rgpu.set_device(rank)
+t = torch.ones(3, device="rgpu") * (rank + 1)
+dist.all_reduce(t)
+c = torch.ones(2) * (rank + 1)
+dist.all_reduce(c)
+print(json.dumps({"rgpu": t.cpu().tolist(), "device": str(t.device), "cpu": c.tolist()}))
+dist.destroy_process_group()
+"""
+    server = Server("--devices", "cpu,cpu")
+    try:
+        outs = run_ranks(code, [server.address] * 2)
+    finally:
+        server.stop()
+    assert outs == [{"rgpu": [3.0] * 3, "device": f"rgpu:{r}", "cpu": [3.0] * 2} for r in (0, 1)]
+
+
 def test_ddp_with_two_ranks_on_two_devices_of_one_server():
     server = Server("--devices", "cpu,cpu")
     try:
