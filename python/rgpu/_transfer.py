@@ -13,9 +13,10 @@ Three things differ from a CUDA tensor, and each is handled here:
 * **Saving.** An rgpu tensor has no CPU-readable storage, so it pickles the way XLA tensors do:
   as its CPU value with the device name, rebuilt on rgpu by ``torch.load`` (which honours
   ``map_location``). ``torch.save`` fetches every rgpu tensor of what it saves in one frame.
-  ``torch.load(f, map_location="rgpu")`` reads the file on the CPU, then uploads each storage
-  once: torch's own path would allocate rgpu storages on the client, which holds no rgpu bytes.
-  Tensors that shared a storage in the file stay views of one tensor.
+  ``torch.load(f, map_location="rgpu")`` (or a dict that maps a saved location to an rgpu
+  device, ``{"cuda:0": "rgpu:1"}``) reads the storages bound for rgpu on the CPU, then uploads
+  each once: torch's own path would allocate rgpu storages on the client, which holds no rgpu
+  bytes. Tensors that shared a storage in the file stay views of one tensor.
   Savers that tell shared tensors apart by their storage's address (safetensors,
   ``save_pretrained``) get an address that, like a CUDA device pointer, is not readable here:
   equal for tensors that share storage (views, tied weights), different otherwise; a tensor's
@@ -146,22 +147,24 @@ def _save(obj, *args, **kwargs):
 _original_load = torch.load
 
 
-def _rgpu_device(map_location):
-    """The rgpu device a `map_location` sends every tensor to, or None."""
-    if isinstance(map_location, (str, torch.device)):
-        try:
-            device = torch.device(map_location)
-        except RuntimeError:
-            return None
-        return device if device.type == "rgpu" else None
-    return None
+def _rgpu_target(where):
+    """The rgpu device `where` (a map_location's destination) names, or None."""
+    try:
+        device = torch.device(where)
+    except (RuntimeError, TypeError):
+        return None
+    return device if device.type == "rgpu" else None
 
 
-def _to_device(obj, device, bases, uses, depth=0):
-    """`obj` with its CPU tensors on `device`; tensors of one storage become views of one
-    upload of it."""
+def _to_device(obj, everything, targets, bases, uses, depth=0):
+    """`obj` with each CPU tensor whose storage `targets` maps to an rgpu device moved there;
+    tensors of one storage become views of one upload of it. `everything`: the device that a
+    single map_location sends all tensors to (rgpu tensors and modules included), or None."""
     if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
         storage = obj.untyped_storage()
+        device = targets.get(storage.data_ptr())
+        if device is None:
+            return obj
         key = (storage.data_ptr(), storage.nbytes(), obj.dtype)
         whole = obj.storage_offset() == 0 and obj.is_contiguous() and \
             obj.numel() * obj.element_size() == storage.nbytes()
@@ -176,35 +179,45 @@ def _to_device(obj, device, bases, uses, depth=0):
         if isinstance(obj, torch.nn.Parameter):
             return torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
         return moved.requires_grad_() if obj.requires_grad else moved
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, torch.nn.Module):
-        return obj.to(device)
+    if isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        return obj.to(everything) if everything is not None else obj
     if depth < 8 and isinstance(obj, dict):
         out = type(obj)() if type(obj) in (dict, collections.OrderedDict) else {}
         for k, v in obj.items():
-            out[k] = _to_device(v, device, bases, uses, depth + 1)
+            out[k] = _to_device(v, everything, targets, bases, uses, depth + 1)
         if hasattr(obj, "_metadata"):  # a state_dict's module versions
             out._metadata = obj._metadata
         return out
     if depth < 8 and isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_device(v, device, bases, uses, depth + 1) for v in obj)
+        return type(obj)(_to_device(v, everything, targets, bases, uses, depth + 1) for v in obj)
     return obj
 
 
 @functools.wraps(_original_load)
 def _load(f, map_location=None, *args, **kwargs):
-    device = _rgpu_device(map_location)
-    if device is None:
+    everything = _rgpu_target(map_location) if isinstance(map_location, (str, torch.device)) \
+        else None
+    mapped = isinstance(map_location, dict) and any(map(_rgpu_target, map_location.values()))
+    if everything is None and not mapped:
         return _original_load(f, map_location, *args, **kwargs)
-    obj = _original_load(f, "cpu", *args, **kwargs)
+    targets = {}  # storage data_ptr -> the rgpu device its tensors go to
+
+    def restore(storage, location):
+        where = everything or map_location.get(location, location)
+        device = _rgpu_target(where)
+        if device is None:
+            return torch.serialization.default_restore_location(storage, str(where))
+        targets[storage.data_ptr()] = device
+        return storage  # read on the CPU; moved below, each storage once
+
+    obj = _original_load(f, restore, *args, **kwargs)
     uses = collections.Counter()
     for t in _tensors_in(obj):
         if t.device.type == "cpu":
             s = t.untyped_storage()
             uses[(s.data_ptr(), s.nbytes(), t.dtype)] += 1
     with torch.no_grad():
-        return _to_device(obj, device, {}, uses)
+        return _to_device(obj, everything, targets, {}, uses)
 
 
 _original_storage_data_ptr = torch.UntypedStorage.data_ptr

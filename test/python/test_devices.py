@@ -47,7 +47,7 @@ import io
 buf = io.BytesIO()
 torch.save({"w": torch.arange(3.0)}, buf)
 buf.seek(0)
-loaded = torch.load(buf, map_location="rgpu:1")["w"]
+loaded = torch.load(buf, map_location={"cpu": "rgpu:1"})["w"]
 r["moved"] = [str(loaded.device), loaded.cpu().tolist(), str(torch.ones(1).rgpu(1).device),
               torch.ones(1).to(torch.device("rgpu", 1)).get_device()]
 r["hello"] = rgpu._C.server_hello()["devices"]

@@ -194,7 +194,7 @@ def test_a_cpu_checkpoint_loads_straight_onto_rgpu_with_its_sharing():
              "bool": torch.tensor([True, False])}
     buf = io.BytesIO()
     torch.save(state, buf)
-    for where in ("rgpu", torch.device("rgpu", 0), "rgpu:0"):
+    for where in ("rgpu", torch.device("rgpu", 0), "rgpu:0", {"cpu": "rgpu"}):
         buf.seek(0)
         loaded = torch.load(buf, map_location=where)
         assert loaded["step"] == 7
@@ -213,6 +213,14 @@ def test_a_cpu_checkpoint_loads_straight_onto_rgpu_with_its_sharing():
         fresh = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)).to(R)
         fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), map_location=where)["model"])
         same(fresh[0].weight, model[0].weight)
+
+
+def test_a_map_location_that_names_no_rgpu_device_is_torchs_own():
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(3.0)}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, map_location={"cuda:0": "cpu"})
+    assert loaded["w"].device.type == "cpu" and loaded["w"].tolist() == [0.0, 1.0, 2.0]
 
 
 def test_client_side_rgpu_storages_are_a_clear_error():
