@@ -51,6 +51,11 @@ loaded = torch.load(buf, map_location={"cpu": "rgpu:1"})["w"]
 r["moved"] = [str(loaded.device), loaded.cpu().tolist(), str(torch.ones(1).rgpu(1).device),
               torch.ones(1).to(torch.device("rgpu", 1)).get_device()]
 r["hello"] = rgpu._C.server_hello()["devices"]
+torch.accelerator.set_device_index(1)  # torch's device-generic API reaches the same state
+with torch.accelerator.device_index(0):
+    inner = torch.accelerator.current_device_index()
+r["accelerator"] = [torch.accelerator.device_count(), torch.rgpu.current_device(), inner,
+                    str(torch.ones(1, device="rgpu").device)]
 print(json.dumps(r))
 """)
     assert out["count"] == 2 and out["current"] == 0
@@ -63,6 +68,7 @@ print(json.dumps(r))
     assert out["memory"] == [True, True]
     assert out["moved"] == ["rgpu:1", [0.0, 1.0, 2.0], "rgpu:1", 1]
     assert out["hello"] == ["cpu", "cpu"]
+    assert out["accelerator"] == [2, 1, 0, "rgpu:1"]
 
 
 def test_tensors_on_two_devices_compute_independently_and_match_cpu(two_devices):
