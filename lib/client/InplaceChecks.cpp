@@ -99,18 +99,17 @@ public:
     for (const c10::IValue &a : args)
       if (!(keyed = addSignature(a, key)))
         break;
+    c10::IValue self = nargs ? args[0] : c10::IValue();
     if (keyed) {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = passed_.find(key);
       if (it != passed_.end()) {
-        c10::IValue self = nargs ? args[0] : c10::IValue();
         torch::jit::drop(*stack, nargs);
         if (it->second)
           stack->push_back(std::move(self));
         return;
       }
     }
-    c10::IValue self = nargs ? args[0] : c10::IValue();
     const size_t base = stack->size() - nargs;
     check_(op, stack); // raises if the op is invalid on these arguments
     // Remembered only when it answered as in-place ops do: `self`, or nothing.

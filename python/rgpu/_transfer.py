@@ -156,6 +156,12 @@ def _rgpu_target(where):
     return device if device.type == "rgpu" else None
 
 
+def _storage_key(t):
+    """What tensors that share a storage (as the same dtype) have in common."""
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes(), t.dtype
+
+
 def _to_device(obj, everything, targets, bases, uses, depth=0):
     """`obj` with each CPU tensor whose storage `targets` maps to an rgpu device moved there;
     tensors of one storage become views of one upload of it. `everything`: the device that a
@@ -165,7 +171,7 @@ def _to_device(obj, everything, targets, bases, uses, depth=0):
         device = targets.get(storage.data_ptr())
         if device is None:
             return obj
-        key = (storage.data_ptr(), storage.nbytes(), obj.dtype)
+        key = _storage_key(obj)
         whole = obj.storage_offset() == 0 and obj.is_contiguous() and \
             obj.numel() * obj.element_size() == storage.nbytes()
         if uses[key] == 1 and whole:
@@ -211,11 +217,7 @@ def _load(f, map_location=None, *args, **kwargs):
         return storage  # read on the CPU; moved below, each storage once
 
     obj = _original_load(f, restore, *args, **kwargs)
-    uses = collections.Counter()
-    for t in _tensors_in(obj):
-        if t.device.type == "cpu":
-            s = t.untyped_storage()
-            uses[(s.data_ptr(), s.nbytes(), t.dtype)] += 1
+    uses = collections.Counter(_storage_key(t) for t in _tensors_in(obj) if t.device.type == "cpu")
     with torch.no_grad():
         return _to_device(obj, everything, targets, {}, uses)
 

@@ -210,21 +210,25 @@ def test_ddp_with_two_ranks_on_one_server(fresh_server):
     check_ddp(ddp_runs([fresh_server.address] * 2))
 
 
-def test_torchrun_under_rgpu_run_spreads_ranks_over_one_servers_devices(tmp_path):
+@pytest.fixture
+def two_devices():
+    """A server of two devices, rgpu:0 and rgpu:1, for ranks that share it."""
+    server = Server("--devices", "cpu,cpu")
+    yield server
+    server.stop()
+
+
+def test_torchrun_under_rgpu_run_spreads_ranks_over_one_servers_devices(tmp_path, two_devices):
     """The README's recipe: rgpu-run points the job at one server, torchrun starts the ranks,
     and each rank takes the device of its local rank."""
     script = tmp_path / "train.py"
     script.write_text(DDP.replace("EXAMPLES", repr(EXAMPLES)).replace("STEPS", "6")
                       .replace("SIZE", "{}"))
     bin_dir = os.path.dirname(sys.executable)
-    server = Server("--devices", "cpu,cpu")
-    try:
-        r = subprocess.run([os.path.join(bin_dir, "rgpu-run"), "--server", server.address, "--",
-                            os.path.join(bin_dir, "torchrun"), "--nproc-per-node", "2",
-                            "--master-port", str(free_port()), str(script)],
-                           capture_output=True, text=True, timeout=300)
-    finally:
-        server.stop()
+    r = subprocess.run([os.path.join(bin_dir, "rgpu-run"), "--server", two_devices.address, "--",
+                        os.path.join(bin_dir, "torchrun"), "--nproc-per-node", "2",
+                        "--master-port", str(free_port()), str(script)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     outs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert sorted(out["devices"] for out in outs) == [["rgpu:0"], ["rgpu:1"]]
@@ -235,7 +239,7 @@ def test_torchrun_under_rgpu_run_spreads_ranks_over_one_servers_devices(tmp_path
                               rtol=1e-5, atol=1e-6)
 
 
-def test_a_backend_per_device_type_takes_rgpu_for_rgpu_tensors():
+def test_a_backend_per_device_type_takes_rgpu_for_rgpu_tensors(two_devices):
     code = """
 import json, torch, torch.distributed as dist, rgpu
 dist.init_process_group("cpu:gloo,rgpu:rgpu")
@@ -248,20 +252,12 @@ dist.all_reduce(c)
 print(json.dumps({"rgpu": t.cpu().tolist(), "device": str(t.device), "cpu": c.tolist()}))
 dist.destroy_process_group()
 """
-    server = Server("--devices", "cpu,cpu")
-    try:
-        outs = run_ranks(code, [server.address] * 2)
-    finally:
-        server.stop()
+    outs = run_ranks(code, [two_devices.address] * 2)
     assert outs == [{"rgpu": [3.0] * 3, "device": f"rgpu:{r}", "cpu": [3.0] * 2} for r in (0, 1)]
 
 
-def test_ddp_with_two_ranks_on_two_devices_of_one_server():
-    server = Server("--devices", "cpu,cpu")
-    try:
-        outs = check_ddp(ddp_runs([server.address] * 2))
-    finally:
-        server.stop()
+def test_ddp_with_two_ranks_on_two_devices_of_one_server(two_devices):
+    outs = check_ddp(ddp_runs([two_devices.address] * 2))
     assert [out["devices"] for out in outs] == [["rgpu:0"], ["rgpu:1"]]
 
 
