@@ -160,29 +160,34 @@ def make_workload(name, device, system):
     raise SystemExit(f"unknown workload {name}")
 
 
-def trace_cost(device, ops=3000):
-    """Microseconds per op to record (rgpu, ltc) or run (cpu-eager) an elementwise chain."""
+def trace_cost(device, ops=3000, rounds=5):
+    """Microseconds per op to record (rgpu, ltc) or run (cpu-eager) an elementwise chain, in
+    the steady state: the median of `rounds` rounds of `ops` ops, each ended by a sync, after
+    one such round to warm up (as every step of a training loop but its first)."""
     import torch
 
     x = torch.randn(64, 64).to(device)
-    # Warm up: the first ops of a process import torch's Python meta kernels and decompositions.
-    for _ in range(10):
-        x = torch.relu(x * 1.0001 + 0.5)
     if device == "lazy":
         import torch._lazy
 
-        torch._lazy.mark_step()
-    x.sum().item()
-    start = time.perf_counter()
-    for _ in range(ops // 3):
-        x = x * 1.0001
-        x = x + 0.5
-        x = torch.relu(x)
-    elapsed = time.perf_counter() - start
-    if device == "lazy":
-        torch._lazy.mark_step()
-    x.sum().item()
-    return elapsed / ops * 1e6
+    def chain(n):
+        nonlocal x
+        start = time.perf_counter()
+        for _ in range(n // 3):
+            x = x * 1.0001
+            x = x + 0.5
+            x = torch.relu(x)
+        elapsed = time.perf_counter() - start
+        if device == "lazy":
+            torch._lazy.mark_step()
+        x.sum().item()
+        return elapsed / n * 1e6
+
+    # Warm-up: the first ops of a process import torch's Python meta kernels and decompositions,
+    # and the first long trace grows the client's heap and caches.
+    chain(30)
+    chain(ops)
+    return statistics.median(chain(ops) for _ in range(rounds))
 
 
 def child(args):

@@ -136,28 +136,88 @@ bool shapeFollowsScalars(llvm::StringRef name) {
          name == "aten::logspace";
 }
 
+/// The value of a CPU 0-dim tensor. Python numbers arrive as double, int64, bool or complex
+/// tensors, read here without a dispatch; other dtypes and math bits take item().
+c10::Scalar cpuScalar(const at::Tensor &t) {
+  if (t.is_conj() || t.is_neg())
+    return t.item();
+  const void *p = t.const_data_ptr();
+  switch (t.scalar_type()) {
+  case at::kDouble: return *static_cast<const double *>(p);
+  case at::kLong: return *static_cast<const int64_t *>(p);
+  case at::kBool: return *static_cast<const bool *>(p);
+  case at::kComplexDouble: return *static_cast<const c10::complex<double> *>(p);
+  default: return t.item();
+  }
+}
+
+bool isSpecial(llvm::StringRef name);
+
+/// What the tracer asks of an operator, worked out once per operator: its interned name, the
+/// tables above, and how to read each argument (its schema type, without casting types per op).
+struct OpInfo {
+  struct ArgInfo {
+    bridge::ArgType type;
+    bool optional;
+    bridge::ArgType elem; ///< A list's element type.
+    bool elemOptional;
+  };
+  c10::OperatorName name; ///< An operator registered after another was removed may reuse its
+                          ///< schema's address: the name is compared too.
+  ir::Symbol symbol;
+  bool special, mutableSchema, otherLayouts, dataDependent, followsScalars, acceptsCpu,
+      crossesDevices;
+  std::vector<ArgInfo> args;
+
+  explicit OpInfo(const c10::OperatorHandle &op);
+  static const OpInfo &of(const c10::OperatorHandle &op);
+};
+
+OpInfo::OpInfo(const c10::OperatorHandle &op) : name(op.operator_name()) {
+  llvm::StringRef n = name.name;
+  symbol = ir::Symbol::get(name.overload_name.empty() ? name.name
+                                                      : name.name + "." + name.overload_name);
+  special = isSpecial(n);
+  mutableSchema = op.schema().is_mutable();
+  otherLayouts = producesOtherLayouts(n);
+  dataDependent = isDataDependent(n);
+  followsScalars = shapeFollowsScalars(n);
+  acceptsCpu = acceptsCpuTensors(n);
+  crossesDevices = rgpu::client::crossesDevices(n);
+  for (const c10::Argument &a : op.schema().arguments()) {
+    c10::TypePtr type = a.type();
+    ArgInfo info{};
+    if (auto opt = type->cast<c10::OptionalType>()) {
+      info.optional = true;
+      type = opt->getElementType();
+    }
+    info.type = bridge::argType(type);
+    if (info.type == bridge::ArgType::List) {
+      c10::TypePtr elem = type->containedType(0);
+      if (auto opt = elem->cast<c10::OptionalType>()) {
+        info.elemOptional = true;
+        elem = opt->getElementType();
+      }
+      info.elem = bridge::argType(elem);
+    }
+    args.push_back(info);
+  }
+}
+
+const OpInfo &OpInfo::of(const c10::OperatorHandle &op) {
+  static llvm::DenseMap<const void *, std::unique_ptr<OpInfo>> infos; // under the session lock
+  std::unique_ptr<OpInfo> &info = infos[&op.schema()];
+  if (!info || info->name != op.operator_name())
+    info = std::make_unique<OpInfo>(op);
+  return *info;
+}
+
 /// Records one op: collects its arguments into a TraceNode and a meta-device twin of the stack.
 class Recorder {
 public:
-  Recorder(const c10::OperatorHandle &op, llvm::StringRef name)
-      : op_(op), name_(name), node_(new TraceNode) {
-    // Interned once per operator. The name is compared too: an operator registered after
-    // another was removed may reuse its schema's address.
-    struct Interned {
-      c10::OperatorName name;
-      ir::Symbol symbol;
-    };
-    static llvm::DenseMap<const void *, Interned> symbols; // used under the session lock
-    const c10::OperatorName &opName = op.operator_name();
-    auto it = symbols.find(&op.schema());
-    if (it != symbols.end() && it->second.name == opName) {
-      node_->node.op = it->second.symbol;
-      return;
-    }
-    node_->node.op = ir::Symbol::get(fullName(op));
-    if (it != symbols.end())
-      symbols.erase(it);
-    symbols.try_emplace(&op.schema(), Interned{opName, node_->node.op});
+  Recorder(const c10::OperatorHandle &op, const OpInfo &info)
+      : op_(op), info_(info), node_(new TraceNode) {
+    node_->node.op = info.symbol;
   }
 
   static std::string fullName(const c10::OperatorHandle &op) {
@@ -167,8 +227,9 @@ public:
 
   void addArgs(c10::ArrayRef<c10::IValue> args) {
     const auto &schema = op_.schema();
+    meta_.reserve(args.size());
     for (size_t i = 0; i < args.size(); ++i)
-      addArg(args[i], schema.arguments()[i]);
+      addArg(args[i], info_.args[i], schema.arguments()[i]);
   }
 
   bool dataDependent = false;
@@ -183,9 +244,10 @@ public:
   /// is recorded). Null if the op's output shape depends on data (or it has no meta kernel), in
   /// which case the caller runs it on the server at once.
   const OpMetas *inferMetas() {
-    if (dataDependent || isDataDependent(name_))
+    if (dataDependent || info_.dataDependent)
       return nullptr;
-    std::string key = cacheKey();
+    static std::string key; // under the session lock; keeps its capacity from op to op
+    cacheKey(key);
     if (const OpMetas *hit = metaCache().find(key))
       return hit;
     try {
@@ -201,7 +263,7 @@ public:
         return nullptr;
       throw;
     }
-    return metaCache().insert(std::move(key), metasOf(meta_));
+    return metaCache().insert(key, metasOf(meta_));
   }
 
   llvm::IntrusiveRefCntPtr<TraceNode> node() { return node_; }
@@ -239,8 +301,8 @@ private:
     return outs;
   }
 
-  std::string cacheKey() const {
-    std::string key;
+  void cacheKey(std::string &key) const {
+    key.clear();
     ir::ByteWriter writer(key);
     auto put = [&](const void *p, size_t n) { writer.write(p, n); };
     auto putMeta = [&](const ir::TensorMeta &m) {
@@ -267,7 +329,7 @@ private:
       put(&s.dtype, 1);
       put(&s.form, 1);
     }
-    bool values = shapeFollowsScalars(name_);
+    bool values = info_.followsScalars;
     for (const ir::ScalarValue &v : node_->scalarValues) {
       put(&v.kind, 1);
       if (values) {
@@ -277,7 +339,6 @@ private:
       }
     }
     writer.finish();
-    return key;
   }
 
   /// Runs the op on the meta twins. A functionalized view (`transpose_copy`) gets the strides of
@@ -350,16 +411,12 @@ private:
     return "";
   }
 
-  void addArg(const c10::IValue &v, const c10::Argument &sa) {
-    c10::TypePtr type = sa.type();
-    if (auto opt = type->cast<c10::OptionalType>()) {
-      if (v.isNone()) {
-        push(Arg::none(), v);
-        return;
-      }
-      type = opt->getElementType();
+  void addArg(const c10::IValue &v, const OpInfo::ArgInfo &info, const c10::Argument &sa) {
+    if (info.optional && v.isNone()) {
+      push(Arg::none(), v);
+      return;
     }
-    switch (bridge::argType(type)) {
+    switch (info.type) {
     case bridge::ArgType::Tensor:
       addTensor(v.toTensor(), sa.name());
       return;
@@ -381,15 +438,15 @@ private:
       TORCH_CHECK_TYPE(false, "rgpu: ", fullName(op_), " was given an explicit generator=; rgpu "
                        "tensors draw from the server's generator, seeded by torch.manual_seed");
     case bridge::ArgType::List:
-      addList(v, type->containedType(0), sa.name());
+      addList(v, info, sa);
       return;
     default:
-      push(constant(v, type, sa.name()), v);
+      push(constant(v, info.type, sa), v);
     }
   }
 
-  Arg constant(const c10::IValue &v, const c10::TypePtr &type, const std::string &argName) {
-    switch (bridge::constantKind(bridge::argType(type))) {
+  Arg constant(const c10::IValue &v, bridge::ArgType type, const c10::Argument &sa) {
+    switch (bridge::constantKind(type)) {
     case Arg::Kind::Int:
       return Arg::integer(v.isSymInt() ? v.toSymInt().expect_int() : v.toInt());
     case Arg::Kind::Double:
@@ -400,8 +457,8 @@ private:
       node_->node.strings.push_back(v.toStringRef());
       return Arg::ref(Arg::Kind::Str, node_->node.strings.size() - 1);
     default:
-      TORCH_CHECK_NOT_IMPLEMENTED(false, "rgpu cannot carry argument '", argName, "' of type ",
-                                  type->str(), " of ", fullName(op_));
+      TORCH_CHECK_NOT_IMPLEMENTED(false, "rgpu cannot carry argument '", sa.name(), "' of type ",
+                                  sa.type()->str(), " of ", fullName(op_));
     }
   }
 
@@ -410,13 +467,10 @@ private:
     meta_.push_back(metaValue);
   }
 
-  void addList(const c10::IValue &v, c10::TypePtr elem, const std::string &argName) {
-    bool optional = false;
-    if (auto o = elem->cast<c10::OptionalType>()) {
-      optional = true;
-      elem = o->getElementType();
-    }
-    if (elem->kind() == c10::TypeKind::TensorType) {
+  void addList(const c10::IValue &v, const OpInfo::ArgInfo &info, const c10::Argument &sa) {
+    const std::string &argName = sa.name();
+    bool optional = info.elemOptional;
+    if (info.elem == bridge::ArgType::Tensor) {
       // Tensor[] or Tensor?[]: each element becomes an operand (or None).
       auto items = v.toListRef();
       node_->node.args.push_back(Arg::ref(Arg::Kind::List, items.size()));
@@ -441,7 +495,7 @@ private:
       defer(Deferred::OptionalList, std::move(operands));
       return;
     }
-    if (elem->kind() == c10::TypeKind::NumberType) {
+    if (info.elem == bridge::ArgType::Number) {
       auto items = v.toListRef();
       node_->node.args.push_back(Arg::ref(Arg::Kind::List, items.size()));
       for (const c10::IValue &item : items)
@@ -459,7 +513,7 @@ private:
     }
     node_->node.args.push_back(Arg::ref(Arg::Kind::List, items.size()));
     for (const c10::IValue &item : items)
-      node_->node.args.push_back(constant(item, elem, argName));
+      node_->node.args.push_back(constant(item, info.elem, sa));
     meta_.push_back(v);
   }
 
@@ -468,9 +522,9 @@ private:
       push(Arg::none(), c10::IValue());
       return;
     }
-    if (!lazyImpl(t) && t.device().is_cpu() && t.dim() == 0 && !acceptsCpuTensors(name_)) {
+    if (!lazyImpl(t) && t.device().is_cpu() && t.dim() == 0 && !info_.acceptsCpu) {
       // A Python number (wrapped) or a CPU scalar tensor: lifted, so its value is not hashed.
-      addScalar(t.item(), t.unsafeGetTensorImpl()->is_wrapped_number() ? ir::ScalarForm::WrappedNumber
+      addScalar(cpuScalar(t), t.unsafeGetTensorImpl()->is_wrapped_number() ? ir::ScalarForm::WrappedNumber
                                                                        : ir::ScalarForm::Tensor0d,
                 t, t.scalar_type());
       return;
@@ -500,13 +554,13 @@ private:
       meta = impl->meta();
       bits = mathBits(*impl);
       c10::DeviceIndex d = impl->device().index();
-      TORCH_CHECK(operandDevice_ < 0 || d == operandDevice_ || crossesDevices(name_),
+      TORCH_CHECK(operandDevice_ < 0 || d == operandDevice_ || info_.crossesDevices,
                   "Expected all tensors to be on the same device, but found at least two "
                   "devices, rgpu:", int(operandDevice_), " and rgpu:", int(d),
                   "! (when checking argument '", argName, "' of ", fullName(op_), ")");
       if (operandDevice_ < 0)
         operandDevice_ = d;
-    } else if (t.device().is_cpu() && acceptsCpuTensors(name_)) {
+    } else if (t.device().is_cpu() && info_.acceptsCpu) {
       v = Session::get().upload(t, meta, outputDevice());
     } else {
       TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two "
@@ -516,7 +570,7 @@ private:
     }
     node_->node.args.push_back(Arg::ref(Arg::Kind::Tensor, node_->inputs.size()));
     node_->inputs.push_back(std::move(v));
-    operandMetas_.push_back(meta);
+    operandMetas_.push_back(std::move(meta));
     operandBits_.push_back(char(bits));
     return int32_t(operandMetas_.size() - 1);
   }
@@ -582,11 +636,11 @@ private:
   }
 
   const c10::OperatorHandle &op_;
-  llvm::StringRef name_;
+  const OpInfo &info_;
   llvm::IntrusiveRefCntPtr<TraceNode> node_;
   torch::jit::Stack meta_; ///< The op's arguments for its meta kernel.
-  std::vector<Deferred> deferred_;
-  std::vector<ir::TensorMeta> operandMetas_;
+  llvm::SmallVector<Deferred, 3> deferred_;
+  llvm::SmallVector<ir::TensorMeta, 3> operandMetas_;
   std::string operandBits_; ///< Each operand's mathBits, for the meta cache key.
   c10::DeviceIndex namedDevice_ = -1, operandDevice_ = -1;
 };
@@ -604,7 +658,12 @@ at::Tensor download(const at::Tensor &t) {
   return Session::get().download(impl, impl->downloadLayout());
 }
 
-/// The special cases. Returns true if it handled the op.
+bool isSpecial(llvm::StringRef name) {
+  return name == "aten::_local_scalar_dense" || name == "aten::equal" || name == "aten::_to_copy" ||
+         name == "aten::_copy_from" || name == "aten::_copy_from_and_resize" || name == "aten::copy";
+}
+
+/// The special cases (isSpecial). Returns true if it handled the op.
 bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   const size_t nargs = op.schema().arguments().size();
   auto args = torch::jit::last(*stack, nargs);
@@ -765,16 +824,16 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   uint32_t location = session.currentLocation();
   Session::Lock lock(session);
   const auto &schema = op.schema();
-  llvm::StringRef name = op.operator_name().name;
-  if (special(name, op, stack))
+  const OpInfo &info = OpInfo::of(op);
+  if (info.special && special(op.operator_name().name, op, stack))
     return;
-  TORCH_CHECK_NOT_IMPLEMENTED(!producesOtherLayouts(name), "rgpu: ", Recorder::fullName(op),
+  TORCH_CHECK_NOT_IMPLEMENTED(!info.otherLayouts, "rgpu: ", Recorder::fullName(op),
                               " makes a non-strided tensor; rgpu supports strided tensors only");
-  if (schema.is_mutable())
+  if (info.mutableSchema)
     return functionalizeHere(op, stack);
 
   const size_t nargs = schema.arguments().size();
-  Recorder rec(op, name);
+  Recorder rec(op, info);
   rec.addArgs(torch::jit::last(*stack, nargs));
   const OpMetas *traced = rec.inferMetas();
   const c10::DeviceIndex device = rec.outputDevice();

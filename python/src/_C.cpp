@@ -43,51 +43,116 @@ struct RgpuError : torch::PyTorchError {
   throw RgpuError(kind, message);
 }
 
-/// The innermost frame outside torch and rgpu: the user's line. Decisions are cached per code
-/// object (kept alive by the cache) and locations per instruction, so a training loop costs a
-/// few pointer lookups per op.
-uint32_t userLocation() {
-  if (!Py_IsInitialized())
-    return 0;
-  py::gil_scoped_acquire gil;
-  static llvm::DenseMap<PyCodeObject *, bool> skip;
+extern "C" { // frames.c
+int rgpu_frames_available(void);
+const void *rgpu_frame_top(void);
+const void *rgpu_frame_back(const void *frame);
+PyCodeObject *rgpu_frame_code(const void *frame);
+const void *rgpu_frame_instr(const void *frame);
+int rgpu_frame_line(const void *frame);
+}
+
+/// Whether \p code is torch's or rgpu's own (its frames are skipped). The GIL is held.
+bool isLibraryCode(PyCodeObject *code) {
+  const char *file = PyUnicode_AsUTF8(code->co_filename);
+  std::string f = file ? file : "";
+  for (const std::string &p : gSkipPrefixes)
+    if (!p.empty() && f.compare(0, p.size(), p) == 0)
+      return true;
+  return false;
+}
+
+/// The location "file:line" of \p code at \p line. The GIL is held.
+uint32_t internLine(PyCodeObject *code, int line) {
+  const char *file = PyUnicode_AsUTF8(code->co_filename);
+  return Session::get().internLocation(std::string(file ? file : "?") + ":" + std::to_string(line));
+}
+
+/// What this thread learnt of the code objects and instructions on its stack: whether each code
+/// object is skipped, and the location each instruction interned (a line number is a scan of the
+/// code's line table, and its text a string to build and look up). Only this thread touches it.
+/// Code objects are kept alive (a reference taken under the GIL, never dropped), so an address
+/// is never reused by another code object.
+struct FrameCache {
+  llvm::DenseMap<PyCodeObject *, bool> skip;
+  llvm::DenseMap<std::pair<PyCodeObject *, const void *>, uint32_t> lines;
+
+  /// The skip entry of \p code, made under the GIL (\p gil), or null.
+  bool *skipped(PyCodeObject *code, bool gil) {
+    auto it = skip.find(code);
+    if (it != skip.end())
+      return &it->second;
+    if (!gil)
+      return nullptr;
+    Py_INCREF(code);
+    return &skip.try_emplace(code, isLibraryCode(code)).first->second;
+  }
+};
+thread_local FrameCache tlsFrames;
+
+/// The user's line from this thread's interpreter frames (frames.c). Without the GIL it reads
+/// only what the cache knows, and answers false when a frame on the way is new.
+bool frameLocation(uint32_t &id, bool gil) {
+  FrameCache &cache = tlsFrames;
+  for (const void *f = rgpu_frame_top(); f; f = rgpu_frame_back(f)) {
+    PyCodeObject *code = rgpu_frame_code(f);
+    bool *skipped = cache.skipped(code, gil);
+    if (!skipped)
+      return false;
+    if (*skipped)
+      continue;
+    std::pair<PyCodeObject *, const void *> key{code, rgpu_frame_instr(f)};
+    auto it = cache.lines.find(key);
+    if (it == cache.lines.end()) {
+      if (!gil)
+        return false;
+      it = cache.lines.try_emplace(key, internLine(code, rgpu_frame_line(f))).first;
+    }
+    id = it->second;
+    return true;
+  }
+  id = 0;
+  return true;
+}
+
+/// The same through CPython's public API, for versions whose frame layout frames.c does not
+/// know. The GIL is held.
+uint32_t publicLocation() {
+  FrameCache &cache = tlsFrames;
   PyFrameObject *frame = PyEval_GetFrame();
-  if (frame)
-    Py_INCREF(frame);
+  Py_XINCREF(frame);
   uint32_t id = 0;
   while (frame) {
     PyCodeObject *code = PyFrame_GetCode(frame);
-    auto [it, inserted] = skip.try_emplace(code, false);
-    if (inserted) {
-      Py_INCREF(code);
-      const char *file = PyUnicode_AsUTF8(code->co_filename);
-      std::string f = file ? file : "";
-      for (const std::string &p : gSkipPrefixes)
-        if (!p.empty() && f.compare(0, p.size(), p) == 0)
-          it->second = true;
-    }
-    bool skipped = it->second;
+    bool skipped = *cache.skipped(code, true);
     if (!skipped) {
-      // Per instruction, the location it interned: a line number is a scan of the code's
-      // line table, and its text a string to build and look up.
-      static llvm::DenseMap<std::pair<PyCodeObject *, int>, uint32_t> lines;
-      auto [at, fresh] = lines.try_emplace({code, PyFrame_GetLasti(frame)}, 0);
-      if (fresh) {
-        const char *file = PyUnicode_AsUTF8(code->co_filename);
-        at->second = Session::get().internLocation(std::string(file ? file : "?") + ":" +
-                                                   std::to_string(PyFrame_GetLineNumber(frame)));
-      }
+      auto [at, fresh] = cache.lines.try_emplace(
+          {code, reinterpret_cast<const void *>(intptr_t(PyFrame_GetLasti(frame)))}, 0);
+      if (fresh)
+        at->second = internLine(code, PyFrame_GetLineNumber(frame));
       id = at->second;
     }
     Py_DECREF(code);
-    if (!skipped) {
-      Py_DECREF(frame);
-      break;
-    }
-    PyFrameObject *back = PyFrame_GetBack(frame);
+    PyFrameObject *back = skipped ? PyFrame_GetBack(frame) : nullptr;
     Py_DECREF(frame);
     frame = back;
   }
+  return id;
+}
+
+/// The innermost frame outside torch and rgpu: the user's line. torch's bindings release the
+/// GIL around an op; a loop that runs the same lines again finds them without taking it back.
+uint32_t userLocation() {
+  if (!Py_IsInitialized())
+    return 0;
+  uint32_t id = 0;
+  if (rgpu_frames_available() && frameLocation(id, false))
+    return id;
+  py::gil_scoped_acquire gil;
+  if (rgpu_frames_available())
+    frameLocation(id, true);
+  else
+    id = publicLocation();
   return id;
 }
 

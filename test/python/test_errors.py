@@ -69,6 +69,39 @@ def test_a_failure_only_the_data_reveals_names_the_op_and_the_users_line():
     same(x.sum(dim=0) * 0 + 1, torch.ones(3))
 
 
+def test_the_users_line_is_found_in_generators_threads_and_code_run_again():
+    import threading
+
+    x = torch.randn(4, 3, device=R)
+    bad = torch.tensor([0, 7]).to(R)
+
+    def failing_line(make):
+        with pytest.raises(rgpu.RemoteError) as info:
+            make().sum().item()
+        return str(info.value)
+
+    def rows():
+        yield x.index_select(0, bad)  # in a generator
+
+    assert f"{THIS_FILE}:{lineno_of('# in a generator')}" in failing_line(lambda: next(rows()))
+
+    def select(i):
+        if i == 0:
+            return x.index_select(0, bad)  # first branch
+        return x.index_select(0, bad)  # second branch
+
+    # The same code object, at two instructions: each names its own line, every time.
+    for _ in range(2):
+        assert f"{THIS_FILE}:{lineno_of('# first branch')}" in failing_line(lambda: select(0))
+        assert f"{THIS_FILE}:{lineno_of('# second branch')}" in failing_line(lambda: select(1))
+
+    messages = []
+    worker = threading.Thread(target=lambda: messages.append(failing_line(lambda: select(1))))
+    worker.start()
+    worker.join()
+    assert f"{THIS_FILE}:{lineno_of('# second branch')}" in messages[0]
+
+
 def test_from_file_is_refused_and_reads_nothing(tmp_path):
     secret = tmp_path / "secret.bin"
     secret.write_bytes(b"\x01" * 64)

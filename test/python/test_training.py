@@ -125,7 +125,8 @@ def test_gpt_trains_like_cpu_at_one_wait_per_step():
     assert_params_match(dev_model, cpu_model, atol=1e-4)
     for s in per_step[3:]:
         up = s["bytes_out"] - 2 * (8 * 16 * 8) - 2 * 64  # the batch's two int64 uploads + headers
-        assert s["waits"] == 1, s
+        # One wait, at .item(); none if the step's reply, which carries the loss, was already in.
+        assert s["waits"] <= 1, s
         assert s["messages"] <= 2, s
         assert up <= 2048, s
         assert s["graphs_shipped"] == 0, s
