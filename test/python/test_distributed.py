@@ -87,7 +87,12 @@ for step in range(STEPS):
     counts.append({k: after[k] - before[k] for k in ("waits", "messages", "bytes_out", "bytes_in")})
 params = [p.detach().cpu().tolist() for p in model.module.parameters()]
 devices = sorted({str(p.device) for p in model.module.parameters()})
-print(json.dumps({"losses": losses, "counts": counts, "params": params, "devices": devices}))
+out = json.dumps({"losses": losses, "counts": counts, "params": params, "devices": devices})
+if os.environ.get("RANKS_OUT"):  # torchrun's ranks share one stdout: a file each
+    with open(os.path.join(os.environ["RANKS_OUT"], f"rank{rank}.json"), "w") as f:
+        f.write(out)
+else:
+    print(out)
 dist.destroy_process_group()
 """
 
@@ -228,9 +233,10 @@ def test_torchrun_under_rgpu_run_spreads_ranks_over_one_servers_devices(tmp_path
     r = subprocess.run([os.path.join(bin_dir, "rgpu-run"), "--server", two_devices.address, "--",
                         os.path.join(bin_dir, "torchrun"), "--nproc-per-node", "2",
                         "--master-port", str(free_port()), str(script)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, RANKS_OUT=str(tmp_path)))
     assert r.returncode == 0, r.stderr[-3000:]
-    outs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    outs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert sorted(out["devices"] for out in outs) == [["rgpu:0"], ["rgpu:1"]]
     losses, _ = single_process_reference(6)
     for out in outs:
