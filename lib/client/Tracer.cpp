@@ -250,6 +250,7 @@ public:
     cacheKey(key);
     if (const OpMetas *hit = metaCache().find(key))
       return hit;
+    std::string missed = key; // the meta call may trace again, and reuse `key`
     try {
       metaCall();
     } catch (const c10::NotImplementedError &) {
@@ -263,7 +264,7 @@ public:
         return nullptr;
       throw;
     }
-    return metaCache().insert(key, metasOf(meta_));
+    return metaCache().insert(std::move(missed), metasOf(meta_));
   }
 
   llvm::IntrusiveRefCntPtr<TraceNode> node() { return node_; }
