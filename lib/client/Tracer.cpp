@@ -151,7 +151,11 @@ c10::Scalar cpuScalar(const at::Tensor &t) {
   }
 }
 
-bool isSpecial(llvm::StringRef name);
+/// "aten::add.Tensor": the operator's name and overload.
+std::string fullName(const c10::OperatorHandle &op) {
+  const auto &n = op.operator_name();
+  return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+}
 
 /// What the tracer asks of an operator, worked out once per operator: its interned name, the
 /// tables above, and how to read each argument (its schema type, without casting types per op).
@@ -165,7 +169,7 @@ struct OpInfo {
   c10::OperatorName name; ///< An operator registered after another was removed may reuse its
                           ///< schema's address: the name is compared too.
   ir::Symbol symbol;
-  bool special, mutableSchema, otherLayouts, dataDependent, followsScalars, acceptsCpu,
+  bool mutableSchema, otherLayouts, dataDependent, followsScalars, acceptsCpu,
       crossesDevices;
   std::vector<ArgInfo> args;
 
@@ -175,9 +179,7 @@ struct OpInfo {
 
 OpInfo::OpInfo(const c10::OperatorHandle &op) : name(op.operator_name()) {
   llvm::StringRef n = name.name;
-  symbol = ir::Symbol::get(name.overload_name.empty() ? name.name
-                                                      : name.name + "." + name.overload_name);
-  special = isSpecial(n);
+  symbol = ir::Symbol::get(fullName(op));
   mutableSchema = op.schema().is_mutable();
   otherLayouts = producesOtherLayouts(n);
   dataDependent = isDataDependent(n);
@@ -218,11 +220,6 @@ public:
   Recorder(const c10::OperatorHandle &op, const OpInfo &info)
       : op_(op), info_(info), node_(new TraceNode) {
     node_->node.op = info.symbol;
-  }
-
-  static std::string fullName(const c10::OperatorHandle &op) {
-    const auto &n = op.operator_name();
-    return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
   }
 
   void addArgs(c10::ArrayRef<c10::IValue> args) {
@@ -659,12 +656,7 @@ at::Tensor download(const at::Tensor &t) {
   return Session::get().download(impl, impl->downloadLayout());
 }
 
-bool isSpecial(llvm::StringRef name) {
-  return name == "aten::_local_scalar_dense" || name == "aten::equal" || name == "aten::_to_copy" ||
-         name == "aten::_copy_from" || name == "aten::_copy_from_and_resize" || name == "aten::copy";
-}
-
-/// The special cases (isSpecial). Returns true if it handled the op.
+/// The special cases. Returns true if it handled the op.
 bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   const size_t nargs = op.schema().arguments().size();
   auto args = torch::jit::last(*stack, nargs);
@@ -826,9 +818,9 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   Session::Lock lock(session);
   const auto &schema = op.schema();
   const OpInfo &info = OpInfo::of(op);
-  if (info.special && special(op.operator_name().name, op, stack))
+  if (special(op.operator_name().name, op, stack))
     return;
-  TORCH_CHECK_NOT_IMPLEMENTED(!info.otherLayouts, "rgpu: ", Recorder::fullName(op),
+  TORCH_CHECK_NOT_IMPLEMENTED(!info.otherLayouts, "rgpu: ", fullName(op),
                               " makes a non-strided tensor; rgpu supports strided tensors only");
   if (info.mutableSchema)
     return functionalizeHere(op, stack);
@@ -858,7 +850,7 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     TORCH_CHECK_NOT_IMPLEMENTED(
         std::all_of(schema.returns().begin(), schema.returns().end(),
                     [](const c10::Argument &r) { return r.type()->kind() == c10::TypeKind::TensorType; }),
-        "rgpu: ", Recorder::fullName(op), " has data-dependent output shapes and returns a list");
+        "rgpu: ", fullName(op), " has data-dependent output shapes and returns a list");
     node->node.outputs.assign(count, ir::TensorMeta());
     for (auto &[value, meta] : session.runNow(node))
       outs.push_back(makeLazy(std::move(value), meta, device));

@@ -2,10 +2,10 @@
  *
  * Every traced op names the user's line, so the client looks at the Python stack once per op.
  * torch's bindings release the GIL around each op: taking it back, and materialising frame
- * objects to walk them, cost about a tenth of an op's trace. A thread's own interpreter frames
- * cannot change while it is inside a C call, so they are read directly here, through
- * CPython 3.11's internal frame layout. Other Python versions answer "unavailable" and the
- * caller takes the GIL and uses the public API.
+ * objects to walk them, cost ~2.5% of a traced op's instructions (callgrind) and a GIL
+ * hand-off per op. A thread's own interpreter frames cannot change while it is inside a C
+ * call, so they are read directly here, through CPython 3.11's internal frame layout. Other
+ * Python versions answer "unavailable" and the caller takes the GIL and uses the public API.
  *
  *===----------------------------------------------------------------------===*/
 #include <Python.h>
