@@ -208,3 +208,26 @@ def test_a_one_gib_tensor_round_trips_exactly():
     del back
     y = (r + 1).cpu()  # a result computed on the server, read in chunks
     assert y[0].item() == 1 and y[-1].item() == (1 << 28) and torch.equal(y[12345:12350], x[12345:12350] + 1)
+
+
+def test_python_numbers_and_cpu_scalar_tensors_as_operands_keep_their_values_and_dtypes():
+    # Python numbers arrive as wrapped 0-dim CPU tensors (double, int64, bool, complex) and are
+    # read without a dispatch; other 0-dim CPU tensors, and ones with math bits, take item().
+    base = torch.tensor([[1.5, -2.0, 3.25], [0.5, 4.0, -1.0]])
+    storage = torch.tensor([7.0, -3.5, 2.0])
+    scalars = [2.5, -3, True, 1 + 2j, 2**40, 1e-300,
+               torch.tensor(0.75), torch.tensor(3, dtype=torch.int32),
+               torch.tensor(2.5, dtype=torch.float16), torch.tensor(False),
+               torch.tensor(1 - 1j, dtype=torch.complex64).conj(),
+               torch._neg_view(torch.tensor(-2.0)),
+               storage[1], storage[2:][0]]  # 0-dim views at a storage offset
+    for x in (base, base.to(torch.int64), base > 0):
+        for s in scalars:
+            for fn in (lambda a: a * s, lambda a: a + s, lambda a: torch.mul(s, a)):
+                try:
+                    expected = fn(x)
+                except RuntimeError:
+                    with pytest.raises(RuntimeError):
+                        fn(x.to(R)).cpu()
+                    continue
+                same(fn(x.to(R)), expected, rtol=0, atol=0)
