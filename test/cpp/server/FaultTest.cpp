@@ -956,7 +956,10 @@ TEST(Faults, RefusedDefinesLeaveNothingBehind) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300)); // the bad session has ended
   double after = serverRssMiB();
   std::printf("server RSS %.1f MiB before the refused Defines, %.1f MiB after\n", before, after);
-  EXPECT_LT(after - before, 16.0) << "RSS grew from " << before << " to " << after << " MiB";
+  // Keeping the refused graphs would grow it by ~200 MiB. The bound leaves room for the
+  // allocator's arenas, which the well-behaved client training beside also grows (20.7 MiB
+  // seen once in CI).
+  EXPECT_LT(after - before, 48.0) << "RSS grew from " << before << " to " << after << " MiB";
   expectGoodSessionUnaffected();
 }
 
