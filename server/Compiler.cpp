@@ -228,8 +228,9 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
   case State::Ready: return g.compiled->accepts(*plan, scalars, symbols, inputs) ? g.compiled : nullptr;
   case State::Counting:
     // Random ops draw from the session's generator, which compiled code cannot reach; some ops
-    // are safe only on the plan (policy::compilable).
-    if (plan->drawsRandom() || !plan->compilable() || plan->graph().nodes.empty()) {
+    // are safe only on the plan (policy::compilable); CPU stand-ins run only on the plan.
+    if (plan->drawsRandom() || !plan->compilable() || plan->graph().nodes.empty() ||
+        (plan->hasCpuStandIns() && device_.is_cpu())) {
       g.state = State::Skipped;
       return nullptr;
     }

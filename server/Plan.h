@@ -90,6 +90,8 @@ public:
   bool drawsRandom() const { return random_; }
   /// False if some node's op must not be compiled (policy::compilable).
   bool compilable() const { return compilable_; }
+  /// True if some node runs a stand-in on a CPU device, which compiled code would not call.
+  bool hasCpuStandIns() const { return cpuStandIns_; }
   ir::Hash128 hash;
   uint64_t buildNs = 0; ///< Time spent verifying the graph and building this plan.
   uint64_t bytes = 0;   ///< ir::graphBytes of its graph: what holding it costs a session.
@@ -132,6 +134,9 @@ private:
     /// the slots of those statistics, and of the input whose dtype they get (see Plan.cpp).
     std::vector<uint32_t> statSlots;
     uint32_t statDtypeSlot = 0;
+    /// Runs in place of the op on a CPU device, where CPU's kernel refuses what CUDA's accepts
+    /// (see Plan.cpp); null for most ops.
+    void (*cpuStandIn)(const c10::OperatorHandle &, torch::jit::Stack &) = nullptr;
     std::vector<uint32_t> release; // values whose last use is this step
   };
 
@@ -164,6 +169,7 @@ private:
   std::vector<uint32_t> listItems_; // value ids or scalar slots; ~0u is None
   bool random_ = false;
   bool compilable_ = true;
+  bool cpuStandIns_ = false;
 };
 
 /// Makes \p t have exactly the layout \p meta describes, copying only if it does not already.

@@ -5,7 +5,7 @@
 // table is built, as torch checks a kernel it registers; a mismatch leaves the op to the
 // dispatcher. A few ops common in models are written out: `masked_fill`, `arange` and
 // `_unsafe_view` as CPU's composite kernels compute them, `native_layer_norm` as torch's meta
-// kernel promises it.
+// kernel promises it, `_grouped_mm` as its CPU and CUDA kernels accept it.
 //
 //===----------------------------------------------------------------------===//
 #include "rgpu/client/MetaKernels.h"
@@ -14,6 +14,7 @@
 #include <ATen/ExpandUtils.h>
 #include <ATen/MetaFunctions.h>
 #include <ATen/core/op_registration/infer_schema.h>
+#include <ATen/native/GroupedMMUtils.h>
 #include <ATen/native/layer_norm.h>
 
 #include <algorithm>
@@ -118,6 +119,15 @@ std::tuple<T, T, T> nativeLayerNorm(CT input, c10::SymIntArrayRef normalizedShap
 
 /// `_unsafe_view`: CPU's kernel is `view`'s, whose result it does not mark as an alias.
 T unsafeView(CT self, c10::SymIntArrayRef size) { return at::_ops::view::call(self, size); }
+
+/// `_grouped_mm` as its CPU and CUDA kernels check and shape it. torch's meta kernel admits
+/// bfloat16 only, the CUDA fast path's dtype; both kernels run float32 and float16 too (a loop
+/// of mm), and Hugging Face's mixture-of-experts layers call it so.
+T groupedMm(CT a, CT b, OptCT offs, OptCT bias, OptDtype outDtype) {
+  at::native::_grouped_mm_validate_inputs(a, b, offs, bias, outDtype);
+  return at::native::create_grouped_gemm_output_tensor(
+      a, b, offs, at::native::_resolve_grouped_mm_out_dtype(a, b, outDtype));
+}
 
 class Table {
 public:
@@ -262,6 +272,7 @@ Table::Table() {
   bind<T(CT, c10::SymIntArrayRef), &unsafeView>("_unsafe_view", "");
   bind<std::tuple<T, T, T>(CT, c10::SymIntArrayRef, OptCT, OptCT, double), &nativeLayerNorm>(
       "native_layer_norm", "");
+  bind<T(CT, CT, OptCT, OptCT, OptDtype), &groupedMm>("_grouped_mm", "");
   bind<T(CT, CT, CS), &maskedFillScalar>("masked_fill", "Scalar");
   bind<T(CT, CT, CT), &maskedFillTensor>("masked_fill", "Tensor");
   bind<T(CS, OptDtype, OptLayout, OptDevice, OptBool), &arangeEnd>("arange", "");

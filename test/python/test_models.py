@@ -148,6 +148,32 @@ def test_a_hugging_face_gpt2_trains_saves_and_generates_like_cpu(tmp_path):
     assert dev.generate(prompt.to(R), max_new_tokens=8, do_sample=False).cpu().tolist() == expected.tolist()
 
 
+
+def test_a_hugging_face_mixture_of_experts_trains_and_generates_like_cpu():
+    """Mixtral's experts as transformers runs them on a GPU: tokens sorted by expert, counted
+    with `histc` of integers (CPU's kernel counts floats only) and multiplied with float32
+    `_grouped_mm` (torch's meta kernel admits bfloat16 only)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    cpu = transformers.MixtralForCausalLM(config)
+    dev = copy.deepcopy(cpu).to(R)
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def loss_at(model, step, device):
+        return model(ids.to(device), labels=ids.to(device)).loss
+
+    runs = []
+    for m in (cpu, dev):
+        runs.append(train_losses(m, torch.optim.AdamW(m.parameters(), lr=1e-3), loss_at, 4))
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
+    prompt = ids[:, :4]
+    expected = cpu.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert dev.generate(prompt.to(R), max_new_tokens=6, do_sample=False).cpu().tolist() == expected.tolist()
+
 NORMS = {
     "layer_norm": (lambda: nn.LayerNorm(4), (3, 4)),
     "batch_norm_1d": (lambda: nn.BatchNorm1d(4), (5, 4)),

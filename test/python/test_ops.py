@@ -231,3 +231,68 @@ def test_python_numbers_and_cpu_scalar_tensors_as_operands_keep_their_values_and
                         fn(x.to(R)).cpu()
                     continue
                 same(fn(x.to(R)), expected, rtol=0, atol=0)
+
+
+def _histc_as_cuda_counts(x, bins, lo, hi):
+    """CUDA's histc of integers, written out: bounds as integers, the data's own when equal."""
+    values = x.flatten().tolist()
+    lo, hi = int(lo), int(hi)
+    if lo == hi and values:
+        lo, hi = min(values), max(values)
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    counts = [0] * bins
+    for v in values:
+        if lo <= v <= hi:
+            counts[min((v - lo) * bins // (hi - lo), bins - 1)] += 1
+    return torch.tensor(counts, dtype=x.dtype)
+
+
+def test_histc_counts_integer_tensors_as_cuda_does():
+    # Hugging Face's mixture-of-experts layers count tokens per expert with histc of integers
+    # off the CPU; CPU's kernel refuses integers, so a CPU server counts them as CUDA does.
+    x = torch.tensor([0, 0, 1, 3, 3, 3, 7, 9, 12, -2])
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        t = x.clamp_min(0).to(dtype) if dtype == torch.uint8 else x.to(dtype)
+        for bins, lo, hi in [(4, 0, 3), (3, 0, 10), (5, 0, 0), (2, 3, 3), (7, -2.5, 12.9), (1, 0, 1)]:
+            got = torch.histc(t.to(R), bins=bins, min=lo, max=hi)
+            same(got, _histc_as_cuda_counts(t, bins, lo, hi), rtol=0, atol=0)
+    # With bounds that fit, the counts are those of CPU's kernel on the same values as floats.
+    experts = torch.randint(0, 8, (64,), generator=torch.Generator().manual_seed(0))
+    got = torch.histc(experts.to(torch.int32).to(R), bins=8, min=0, max=7)
+    same(got, torch.histc(experts.float(), bins=8, min=0, max=7).to(torch.int32), rtol=0, atol=0)
+    same(torch.histc(torch.tensor([], dtype=torch.int64).to(R), bins=3),
+         torch.zeros(3, dtype=torch.int64), rtol=0, atol=0)
+    for dtype in (torch.float32, torch.float64):  # floats run CPU's own kernel
+        f = torch.randn(50, dtype=dtype)
+        same(*both(lambda t: torch.histc(t, bins=6, min=-1, max=1), f))
+    with pytest.raises(RuntimeError, match="max must be larger than min"):
+        torch.histc(x.to(R), bins=3, min=5, max=1).cpu()
+    with pytest.raises(RuntimeError, match="bins must be > 0"):
+        torch.histc(x.to(R), bins=0, min=0, max=1).cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_grouped_mm_runs_every_float_dtype_its_kernels_run_with_gradients(dtype):
+    # torch's meta kernel admits bfloat16 only (CUDA's fast path); the CPU and CUDA kernels run
+    # float32 and float16 too, and transformers calls it so for mixture-of-experts layers.
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor([3, 3, 9, 16], dtype=torch.int32)  # an empty group too
+    cases = [((16, 8), (4, 8, 8), offs), ((4, 5, 8), (4, 8, 16), None), ((8, 16), (16, 8), offs)]
+    for sa, sb, o in cases:
+        a = torch.randn(*sa, generator=g).to(dtype).requires_grad_()
+        b = torch.randn(*sb, generator=g).to(dtype).requires_grad_()
+        ra, rb = a.detach().to(R).requires_grad_(), b.detach().to(R).requires_grad_()
+        out = torch._grouped_mm(a, b, offs=o)
+        rout = torch._grouped_mm(ra, rb, offs=None if o is None else o.to(R))
+        assert rout.dtype == out.dtype and rout.shape == out.shape
+        same(rout, out, rtol=0, atol=0)
+        w = torch.randn(out.shape, generator=g).to(dtype)
+        (out * w).sum().backward()
+        (rout * w.to(R)).sum().backward()
+        same(ra.grad, a.grad, rtol=0, atol=0)
+        same(rb.grad, b.grad, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="Float32, BFloat16 or Float16"):
+        torch._grouped_mm(torch.ones(4, 8, dtype=torch.float64, device=R),
+                          torch.ones(2, 8, 8, dtype=torch.float64, device=R),
+                          offs=torch.tensor([2, 4], dtype=torch.int32, device=R))
