@@ -5,7 +5,8 @@
 // table is built, as torch checks a kernel it registers; a mismatch leaves the op to the
 // dispatcher. A few ops common in models are written out: `masked_fill`, `arange` and
 // `_unsafe_view` as CPU's composite kernels compute them, `native_layer_norm` as torch's meta
-// kernel promises it, `_grouped_mm` as its CPU and CUDA kernels accept it.
+// kernel promises it, `_grouped_mm` as its CPU and CUDA kernels accept it, `convolution` in the
+// memory format its CPU and CUDA kernels give.
 //
 //===----------------------------------------------------------------------===//
 #include "rgpu/client/MetaKernels.h"
@@ -127,6 +128,22 @@ T groupedMm(CT a, CT b, OptCT offs, OptCT bias, OptDtype outDtype) {
   at::native::_grouped_mm_validate_inputs(a, b, offs, bias, outDtype);
   return at::native::create_grouped_gemm_output_tensor(
       a, b, offs, at::native::_resolve_grouped_mm_out_dtype(a, b, outDtype));
+}
+
+/// `convolution` as torch's meta kernel checks and shapes it, in the memory format CPU's and
+/// CUDA's kernels give: channels-last if the input or the weight is (the meta kernel, which
+/// cannot know the device, leaves it contiguous). A channels-last model stays channels-last
+/// on rgpu, as it does on CUDA, where the server would otherwise copy every result.
+T convolution(CT input, CT weight, OptCT bias, c10::SymIntArrayRef stride,
+              c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool transposed,
+              c10::SymIntArrayRef outputPadding, c10::SymInt groups) {
+  T out = at::_ops::convolution::redispatch(c10::DispatchKeySet(c10::DispatchKey::Meta), input,
+                                            weight, bias, stride, padding, dilation, transposed,
+                                            outputPadding, std::move(groups));
+  for (auto format : {at::MemoryFormat::ChannelsLast, at::MemoryFormat::ChannelsLast3d})
+    if (input.suggest_memory_format() == format || weight.suggest_memory_format() == format)
+      return at::empty(out.sizes(), out.options().memory_format(format));
+  return out;
 }
 
 class Table {
@@ -273,6 +290,9 @@ Table::Table() {
   bind<std::tuple<T, T, T>(CT, c10::SymIntArrayRef, OptCT, OptCT, double), &nativeLayerNorm>(
       "native_layer_norm", "");
   bind<T(CT, CT, OptCT, OptCT, OptDtype), &groupedMm>("_grouped_mm", "");
+  bind<T(CT, CT, OptCT, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, bool,
+         c10::SymIntArrayRef, c10::SymInt),
+       &convolution>("convolution", "");
   bind<T(CT, CT, CS), &maskedFillScalar>("masked_fill", "Scalar");
   bind<T(CT, CT, CT), &maskedFillTensor>("masked_fill", "Tensor");
   bind<T(CS, OptDtype, OptLayout, OptDevice, OptBool), &arangeEnd>("arange", "");

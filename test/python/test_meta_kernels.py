@@ -232,6 +232,29 @@ def test_layer_norm():
         F.layer_norm(randn(3, 4).to(R), (5,))
 
 
+
+def test_convolutions_keep_channels_last_as_cpu_and_cuda_do():
+    # torch's meta kernel leaves every result contiguous; the kernels give channels-last when
+    # the input or the weight is, and a channels-last model must stay so on rgpu.
+    cl, cl3 = torch.channels_last, torch.channels_last_3d
+    x, w = randn(2, 3, 8, 8), randn(4, 3, 3, 3, seed=1)
+    for xf in (torch.contiguous_format, cl):
+        for wf in (torch.contiguous_format, cl):
+            xi, wi = x.contiguous(memory_format=xf), w.contiguous(memory_format=wf)
+            agree(lambda a, b: F.conv2d(a, b, padding=1), xi, wi)
+            agree(lambda a, b, c: F.conv2d(a, b, c, stride=2), xi, wi, randn(4, seed=2))
+            agree(lambda a, b: F.conv_transpose2d(a, b, stride=2, output_padding=1),
+                  xi, randn(3, 4, 3, 3, seed=3).contiguous(memory_format=wf))
+    agree(lambda a, b: F.conv2d(a, b, groups=3), x.contiguous(memory_format=cl), randn(6, 1, 3, 3))
+    agree(F.conv2d, randn(2, 3, 1, 1).contiguous(memory_format=cl), randn(4, 3, 1, 1))  # ambiguous
+    agree(F.conv2d, x[:, :, ::2, 1:], w)  # strided, neither layout
+    agree(F.conv3d, randn(2, 3, 4, 5, 5).contiguous(memory_format=cl3), randn(4, 3, 3, 3, 3))
+    agree(F.conv3d, randn(2, 3, 4, 5, 5), randn(4, 3, 3, 3, 3).contiguous(memory_format=cl3))
+    agree(F.conv1d, randn(2, 3, 9), randn(4, 3, 3))
+    agree(F.conv2d, x.to(torch.float64).contiguous(memory_format=cl), w.to(torch.float64))
+    with pytest.raises(RuntimeError, match="channel"):
+        F.conv2d(randn(2, 5, 8, 8).to(R), w.to(R))
+
 def test_losses_and_backward_ops_through_autograd():
     torch.manual_seed(0)
     x = randn(6, 7)
