@@ -128,36 +128,6 @@ void callWithSessionGenerator(const c10::OperatorHandle &op, torch::jit::Stack &
   global.set_state(saved);
 }
 
-/// `histc` of an integer tensor, which CUDA's kernel counts and CPU's refuses, counted as CUDA
-/// counts it: bounds truncated to integers, the data's own when they are equal (widened by one
-/// each way if those are equal too), values outside them left out, and value x in bin
-/// (x - min) * bins / (max - min) in integer arithmetic, max in the last; the result in the
-/// input's dtype. Other dtypes run CPU's kernel.
-void histcOfIntegers(const c10::OperatorHandle &op, torch::jit::Stack &stack) {
-  const at::Tensor self = stack[0].toTensor();
-  if (!at::isIntegralType(self.scalar_type(), /*includeBool=*/false)) {
-    op.callBoxed(stack);
-    return;
-  }
-  const int64_t bins = stack[1].toInt();
-  int64_t lo = stack[2].toScalar().to<int64_t>(), hi = stack[3].toScalar().to<int64_t>();
-  TORCH_CHECK(bins > 0, "bins must be > 0");
-  at::Tensor x = self.flatten().to(at::kLong);
-  if (lo == hi && x.numel() > 0) {
-    lo = x.min().item<int64_t>();
-    hi = x.max().item<int64_t>();
-  }
-  if (lo == hi) {
-    --lo;
-    ++hi;
-  }
-  TORCH_CHECK(lo < hi, "max must be larger than min");
-  x = x.masked_select(x.ge(lo).logical_and(x.le(hi)));
-  at::Tensor bin = x.sub(lo).mul(bins).div(hi - lo, "floor").clamp_max(bins - 1);
-  stack.clear();
-  stack.emplace_back(at::bincount(bin, {}, bins).to(self.scalar_type()));
-}
-
 /// Where in ctx.devices a step runs: on the device its Device argument names (\p named, -1 if
 /// none), else on its first tensor operand's, else on rgpu:0.
 size_t deviceOf(int32_t named, const torch::jit::Stack &stack, const RunContext &ctx) {
@@ -427,8 +397,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
         step.statSlots.push_back(i);
     }
   }
-  if (full == "aten::histc")
-    step.cpuStandIn = &histcOfIntegers;
+  step.cpuStandIn = cpuStandIn(full);
   cpuStandIns_ |= step.cpuStandIn != nullptr;
   steps_.push_back(std::move(step));
   return "";

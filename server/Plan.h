@@ -12,6 +12,8 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "StandIns.h"
+
 #include "rgpu/bridge/Bridge.h"
 #include "rgpu/ir/Graph.h"
 
@@ -134,9 +136,9 @@ private:
     /// the slots of those statistics, and of the input whose dtype they get (see Plan.cpp).
     std::vector<uint32_t> statSlots;
     uint32_t statDtypeSlot = 0;
-    /// Runs in place of the op on a CPU device, where CPU's kernel refuses what CUDA's accepts
-    /// (see Plan.cpp); null for most ops.
-    void (*cpuStandIn)(const c10::OperatorHandle &, torch::jit::Stack &) = nullptr;
+    /// Runs in place of the op on a CPU device, where CUDA has a kernel CPU lacks
+    /// (StandIns.h); null for most ops.
+    StandIn cpuStandIn = nullptr;
     std::vector<uint32_t> release; // values whose last use is this step
   };
 

@@ -6,7 +6,8 @@
 // dispatcher. A few ops common in models are written out: `masked_fill`, `arange` and
 // `_unsafe_view` as CPU's composite kernels compute them, `native_layer_norm` as torch's meta
 // kernel promises it, `_grouped_mm` as its CPU and CUDA kernels accept it, `convolution` in the
-// memory format its CPU and CUDA kernels give.
+// memory format its CPU and CUDA kernels give, and the fused LSTM and GRU cells, which torch's
+// recurrent layers run on every device but CPU.
 //
 //===----------------------------------------------------------------------===//
 #include "rgpu/client/MetaKernels.h"
@@ -144,6 +145,54 @@ T convolution(CT input, CT weight, OptCT bias, c10::SymIntArrayRef stride,
     if (input.suggest_memory_format() == format || weight.suggest_memory_format() == format)
       return at::empty(out.sizes(), out.options().memory_format(format));
   return out;
+}
+
+/// The checks of CUDA's fused LSTM and GRU cells: gates [batch, factor * hidden], biases
+/// [factor * hidden] or none, the previous state [batch, hidden].
+void checkFusedCell(const char *op, CT inputGates, CT hiddenGates, CT prev, OptCT inputBias,
+                    OptCT hiddenBias, int64_t factor) {
+  TORCH_CHECK(prev.dim() == 2 && inputGates.dim() == 2 &&
+                  inputGates.sizes() == hiddenGates.sizes() &&
+                  inputGates.size(0) == prev.size(0) &&
+                  inputGates.size(1) == factor * prev.size(1),
+              op, ": gates must be [batch, ", factor, " * hidden] for a state [batch, hidden], got ",
+              inputGates.sizes(), ", ", hiddenGates.sizes(), " and ", prev.sizes());
+  for (OptCT bias : {inputBias, hiddenBias})
+    TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == inputGates.size(1)), op,
+                ": a bias must be [", factor, " * hidden], got ", bias->sizes());
+}
+
+/// `_thnn_fused_lstm_cell`: (hy, cy, workspace) as CUDA's kernel makes them. torch's meta
+/// kernel fails on a cell without biases.
+std::tuple<T, T, T> fusedLstmCell(CT inputGates, CT hiddenGates, CT cx, OptCT inputBias,
+                                  OptCT hiddenBias) {
+  checkFusedCell("_thnn_fused_lstm_cell", inputGates, hiddenGates, cx, inputBias, hiddenBias, 4);
+  return {at::empty(cx.sizes(), inputGates.options()), at::empty(cx.sizes(), inputGates.options()),
+          at::empty(inputGates.sizes(), inputGates.options())};
+}
+
+/// `_thnn_fused_gru_cell`: (hy, workspace) as CUDA's kernel makes them; torch has no meta
+/// kernel for it. The workspace holds five [batch, hidden] blocks for the backward.
+std::tuple<T, T> fusedGruCell(CT inputGates, CT hiddenGates, CT hx, OptCT inputBias,
+                              OptCT hiddenBias) {
+  checkFusedCell("_thnn_fused_gru_cell", inputGates, hiddenGates, hx, inputBias, hiddenBias, 3);
+  return {at::empty(hx.sizes(), inputGates.options()),
+          at::empty({hx.size(0), 5 * hx.size(1)}, inputGates.options())};
+}
+
+/// `_thnn_fused_gru_cell_backward`: gradients of the input and hidden gates, of hx, and of the
+/// biases if there are biases.
+std::tuple<T, T, T, T, T> fusedGruCellBackward(CT gradHy, CT workspace, bool hasBias) {
+  TORCH_CHECK(workspace.dim() == 2 && workspace.size(1) % 5 == 0 && gradHy.dim() == 2 &&
+                  gradHy.size(0) == workspace.size(0) &&
+                  gradHy.size(1) == workspace.size(1) / 5,
+              "_thnn_fused_gru_cell_backward: a workspace of ", workspace.sizes(),
+              " does not fit grad_hy of ", gradHy.sizes());
+  const int64_t batch = workspace.size(0), gates = workspace.size(1) / 5 * 3;
+  auto options = workspace.options();
+  T bias = hasBias ? at::empty({gates}, options) : T();
+  return {at::empty({batch, gates}, options), at::empty({batch, gates}, options),
+          at::empty(gradHy.sizes(), options), bias, hasBias ? at::empty({gates}, options) : T()};
 }
 
 class Table {
@@ -290,6 +339,11 @@ Table::Table() {
   bind<std::tuple<T, T, T>(CT, c10::SymIntArrayRef, OptCT, OptCT, double), &nativeLayerNorm>(
       "native_layer_norm", "");
   bind<T(CT, CT, OptCT, OptCT, OptDtype), &groupedMm>("_grouped_mm", "");
+  bind<std::tuple<T, T, T>(CT, CT, CT, OptCT, OptCT), &fusedLstmCell>("_thnn_fused_lstm_cell",
+                                                                    "");
+  bind<std::tuple<T, T>(CT, CT, CT, OptCT, OptCT), &fusedGruCell>("_thnn_fused_gru_cell", "");
+  bind<std::tuple<T, T, T, T, T>(CT, CT, bool), &fusedGruCellBackward>(
+      "_thnn_fused_gru_cell_backward", "");
   bind<T(CT, CT, OptCT, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, bool,
          c10::SymIntArrayRef, c10::SymInt),
        &convolution>("convolution", "");

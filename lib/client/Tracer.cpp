@@ -67,7 +67,7 @@ bool isDataDependent(llvm::StringRef name) {
       "aten::nonzero",           "aten::masked_select",       "aten::unique_consecutive",
       "aten::_unique",           "aten::_unique2",            "aten::unique_dim",
       "aten::unique_dim_consecutive", "aten::bincount",       "aten::repeat_interleave",
-      "aten::_ctc_loss",         "aten::histc",
+      "aten::_ctc_loss",
   };
   return ops.count(name) != 0;
 }
@@ -794,6 +794,33 @@ void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack) 
   }
 }
 
+/// Functionalization's kernel for `_pack_padded_sequence`, which takes its lengths and answers
+/// its batch sizes on the host on every device: torch's RNN kernels read the batch sizes, so
+/// for rgpu input they stay a plain host tensor, where the generated kernel would wrap them
+/// with the packed data. Otherwise it does what the generated kernel does.
+void packPaddedSequence(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+  namespace fz = at::functionalization::impl;
+  const size_t base = stack->size() - op.schema().arguments().size();
+  bool rgpuInput = false;
+  for (size_t i = base; i < stack->size(); ++i) {
+    c10::IValue &v = (*stack)[i];
+    if (!v.isTensor() || !fz::isFunctionalTensor(v.toTensor()))
+      continue;
+    fz::sync(v.toTensor());
+    v = fz::from_functional_tensor(v.toTensor());
+    rgpuInput |= i == base && lazyImpl(v.toTensor());
+  }
+  {
+    c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::Functionalize);
+    op.callBoxed(stack);
+  }
+  for (size_t r = base; r < stack->size(); ++r) {
+    c10::IValue &v = (*stack)[r];
+    if (v.isTensor() && (!rgpuInput || lazyImpl(v.toTensor())))
+      v = fz::to_functional_tensor(v.toTensor());
+  }
+}
+
 /// True for a call whose tensors are meta tensors carrying rgpu's dispatch keys: fake tensors
 /// (dynamo, torch.compile) that describe rgpu tensors. They compute metadata only.
 bool isFakeCall(const c10::OperatorHandle &op, const torch::jit::Stack &stack) {
@@ -999,6 +1026,10 @@ void registerWholeOps() {
     if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
         !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
       continue;
+    // Takes its lengths on the host, as on CUDA, and answers its batch sizes there: its
+    // composite kernel reads them and slices the input, which is traced.
+    if (full == "_pack_padded_sequence")
+      continue;
     std::string impl = full.str();
     if (!name.overload_name.empty())
       impl += "." + name.overload_name;
@@ -1021,6 +1052,11 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, rgpu::client::GuardImpl);
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&rgpu::client::fallback>());
+}
+
+TORCH_LIBRARY_IMPL(aten, Functionalize, m) {
+  m.impl("_pack_padded_sequence",
+         torch::CppFunction::makeFromBoxedFunction<&rgpu::client::packPaddedSequence>());
 }
 
 TORCH_LIBRARY_IMPL(aten, ADInplaceOrView, m) {

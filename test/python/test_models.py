@@ -174,6 +174,58 @@ def test_a_hugging_face_mixture_of_experts_trains_and_generates_like_cpu():
     expected = cpu.generate(prompt, max_new_tokens=6, do_sample=False)
     assert dev.generate(prompt.to(R), max_new_tokens=6, do_sample=False).cpu().tolist() == expected.tolist()
 
+
+RNNS = {
+    "lstm": lambda: nn.LSTM(4, 6, num_layers=2, batch_first=True, bidirectional=True),
+    "lstm_proj_no_bias": lambda: nn.LSTM(4, 6, proj_size=3, bias=False),
+    "gru": lambda: nn.GRU(4, 6, num_layers=2, bidirectional=True),
+    "gru_no_bias": lambda: nn.GRU(4, 6, bias=False, batch_first=True),
+    "rnn_relu": lambda: nn.RNN(4, 6, nonlinearity="relu", batch_first=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RNNS))
+def test_recurrent_layers_train_like_cpu_with_packed_sequences(name):
+    # On every device but CPU, torch's LSTM and GRU run fused cells (`_thnn_fused_*`), which
+    # CPU lacks: a CPU server runs them as CUDA computes them. Packing takes host lengths.
+    torch.manual_seed(0)
+    cpu = RNNS[name]()
+    dev = copy.deepcopy(cpu).to(R)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 4, generator=g)
+    if cpu.batch_first:
+        x = x.transpose(0, 1).contiguous()
+    lengths = torch.tensor([2, 5, 3])  # unsorted: packing sorts, unpacking restores the order
+    for mode in ("padded", "packed"):
+        outs = []
+        for m, device in ((cpu, "cpu"), (dev, R)):
+            m.zero_grad()
+            inp = x.to(device)
+            if mode == "packed":
+                inp = nn.utils.rnn.pack_padded_sequence(inp, lengths, cpu.batch_first,
+                                                        enforce_sorted=False)
+            out, state = m(inp)
+            if mode == "packed":
+                out, out_lengths = nn.utils.rnn.pad_packed_sequence(out, cpu.batch_first)
+                assert out_lengths.tolist() == lengths.tolist()
+            states = state if isinstance(state, tuple) else (state,)
+            loss = out.pow(2).sum() + sum(s.sin().sum() for s in states)
+            loss.backward()
+            outs.append([out, *states] + [p.grad for p in m.parameters()])
+        for a, e in zip(outs[1], outs[0]):
+            same(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_recurrent_cells_match_cpu():
+    torch.manual_seed(0)
+    for cell in (nn.LSTMCell(4, 5), nn.GRUCell(4, 5), nn.GRUCell(4, 5, bias=False)):
+        dev = copy.deepcopy(cell).to(R)
+        x, h = torch.randn(3, 4), torch.randn(3, 5)
+        state = (h, torch.randn(3, 5)) if isinstance(cell, nn.LSTMCell) else h
+        on_dev = tuple(t.to(R) for t in state) if isinstance(state, tuple) else state.to(R)
+        expected, actual = cell(x, state), dev(x.to(R), on_dev)
+        same(actual, expected, rtol=1e-5, atol=1e-5)
+
 NORMS = {
     "layer_norm": (lambda: nn.LayerNorm(4), (3, 4)),
     "batch_norm_1d": (lambda: nn.BatchNorm1d(4), (5, 4)),
