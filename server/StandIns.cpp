@@ -131,6 +131,32 @@ void gruCellBackward(const c10::OperatorHandle &, torch::jit::Stack &stack) {
   stack.emplace_back(hasBias ? gradHidden.sum(0).to(dtype) : Tensor());
 }
 
+/// `_embedding_bag` and `_embedding_bag_forward_only`: CPU's kernel, with its auxiliary outputs
+/// made what CUDA's are and the meta kernels promise. CPU leaves offset2bag empty on its fast
+/// sum path, where CUDA gives each index its bag (the backward reads it); bag_size is sized as
+/// the offsets are (one more with include_last_offset, whose last entry CUDA leaves unwritten:
+/// zero here); max_indices is empty unless the mode is max.
+void embeddingBag(const c10::OperatorHandle &op, torch::jit::Stack &stack) {
+  const Tensor indices = stack[1].toTensor(), offsets = stack[2].toTensor();
+  const int64_t mode = stack[4].toInt();
+  const bool includeLastOffset = stack[7].toBool();
+  op.callBoxed(stack);
+  Tensor offset2bag = stack[1].toTensor(), bagSize = stack[2].toTensor();
+  if (offset2bag.numel() != indices.numel()) {
+    Tensor starts = includeLastOffset ? offsets.narrow(0, 0, offsets.numel() - 1) : offsets;
+    stack[1] = (at::searchsorted(starts.contiguous(),
+                                 at::arange(indices.numel(), indices.options().dtype(starts.dtype())),
+                                 /*out_int32=*/false, /*right=*/true) -
+                1)
+                   .clamp_min(0)
+                   .to(indices.scalar_type());
+  }
+  if (bagSize.numel() != offsets.numel())
+    stack[2] = at::cat({bagSize, at::zeros({offsets.numel() - bagSize.numel()}, bagSize.options())});
+  if (mode != 2) // max
+    stack[3] = at::empty({0}, indices.options());
+}
+
 } // namespace
 
 StandIn cpuStandIn(llvm::StringRef fullName) {
@@ -144,6 +170,8 @@ StandIn cpuStandIn(llvm::StringRef fullName) {
     return &gruCell;
   if (fullName == "aten::_thnn_fused_gru_cell_backward")
     return &gruCellBackward;
+  if (fullName == "aten::_embedding_bag" || fullName == "aten::_embedding_bag_forward_only")
+    return &embeddingBag;
   return nullptr;
 }
 

@@ -3,9 +3,10 @@
 // A client sees a device that is not CPU, so model code and torch's own composites take their
 // GPU paths: transformers counts tokens per expert with `histc` of integers, and torch's LSTM
 // and GRU run fused cells (`_thnn_fused_*`) on every device but CPU. CUDA has those kernels
-// and CPU does not. A CPU server runs these stand-ins in their place, computing what the CUDA
-// kernels compute, with outputs shaped as their meta kernels promise. A CUDA server runs the
-// real kernels.
+// and CPU does not. And the meta kernels promise what CUDA's kernels return, which CPU's do
+// not always (`_embedding_bag`'s auxiliary outputs). A CPU server runs these stand-ins in
+// their place, computing what the CUDA kernels compute, with the outputs their meta kernels
+// promise. A CUDA server runs the real kernels.
 //
 //===----------------------------------------------------------------------===//
 #pragma once

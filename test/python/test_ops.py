@@ -1,7 +1,10 @@
 """Ops on rgpu tensors match CPU eager: the lazy trace is an implementation detail."""
 
+import itertools
+
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import same
 
 import rgpu  # noqa: F401
@@ -296,3 +299,33 @@ def test_grouped_mm_runs_every_float_dtype_its_kernels_run_with_gradients(dtype)
         torch._grouped_mm(torch.ones(4, 8, dtype=torch.float64, device=R),
                           torch.ones(2, 8, 8, dtype=torch.float64, device=R),
                           offs=torch.tensor([2, 4], dtype=torch.int32, device=R))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_forward_and_backward_match_cpu(mode):
+    # CPU's kernel shapes its auxiliary outputs (offset2bag, bag_size, max_indices) otherwise
+    # than CUDA's, whose shapes the meta kernel promises; the backward reads them.
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(10, 3, generator=g)
+    indices = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 0, 0])
+    for last, padding_idx, weighted, offsets in itertools.product(
+            [False, True], [None, 0], [False, True], [[0, 4, 4, 7], [0, 3]]):
+        if weighted and mode != "sum":
+            continue
+        offsets = torch.tensor(offsets + ([10] if last else []))
+        per_sample = torch.rand(10, generator=g) if weighted else None
+        results = []
+        for device in ("cpu", R):
+            w = weight.clone().to(device).requires_grad_()
+
+            def bag():
+                return F.embedding_bag(
+                    indices.to(device), w, offsets.to(device), mode=mode,
+                    include_last_offset=last, padding_idx=padding_idx,
+                    per_sample_weights=None if per_sample is None else per_sample.to(device))
+            y = bag()
+            (y * torch.arange(y.numel(), device=device).view(y.shape)).sum().backward()
+            with torch.no_grad():  # the forward-only kernel
+                results.append((y, w.grad, bag()))
+        for actual, expected in zip(results[1], results[0]):
+            same(actual, expected.detach())
