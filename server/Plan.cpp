@@ -388,12 +388,14 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
     if (std::string e = checkView(step, step.consts, *metas_[n.operands[0]]); !e.empty())
       return e;
   }
-  if (base == "aten::native_layer_norm_backward" || base == "aten::native_batch_norm_backward") {
+  if (base == "aten::native_layer_norm_backward" || base == "aten::native_batch_norm_backward" ||
+      base == "aten::batch_norm_backward") {
     for (size_t i = 0; i < schema.arguments().size(); ++i) {
       const std::string &arg = schema.arguments()[i].name();
       if (arg == "input")
         step.statDtypeSlot = i;
-      if (arg == "mean" || arg == "rstd" || arg == "save_mean" || arg == "save_invstd")
+      if (arg == "mean" || arg == "rstd" || arg == "save_mean" || arg == "save_invstd" ||
+          arg == "save_var") // batch_norm_backward's name for the saved inverse deviation
         step.statSlots.push_back(i);
     }
   }

@@ -28,6 +28,8 @@
 #include <llvm/ADT/DenseMap.h>
 #include <llvm/ADT/StringSet.h>
 
+#include <atomic>
+#include <mutex>
 #include <unordered_map>
 
 namespace rgpu::client {
@@ -170,7 +172,7 @@ struct OpInfo {
                           ///< schema's address: the name is compared too.
   ir::Symbol symbol;
   bool mutableSchema, otherLayouts, dataDependent, followsScalars, acceptsCpu,
-      crossesDevices;
+      crossesDevices, viewOp;
   std::vector<ArgInfo> args;
 
   explicit OpInfo(const c10::OperatorHandle &op);
@@ -186,6 +188,8 @@ OpInfo::OpInfo(const c10::OperatorHandle &op) : name(op.operator_name()) {
   followsScalars = shapeFollowsScalars(n);
   acceptsCpu = acceptsCpuTensors(n);
   crossesDevices = rgpu::client::crossesDevices(n);
+  const auto &returns = op.schema().returns();
+  viewOp = !returns.empty() && returns[0].alias_info() && !returns[0].alias_info()->isWrite();
   for (const c10::Argument &a : op.schema().arguments()) {
     c10::TypePtr type = a.type();
     ArgInfo info{};
@@ -643,6 +647,15 @@ private:
   c10::DeviceIndex namedDevice_ = -1, operandDevice_ = -1;
 };
 
+/// Refuses a write, below functionalization, into a tensor that a view op made there: that
+/// tensor is a copy, and the write would not reach the tensor it views.
+void checkWritable(const LazyTensorImpl &target, const c10::OperatorHandle &op) {
+  TORCH_CHECK(!target.rawView, "rgpu: ", fullName(op), " writes into a view made inside a "
+              "composite kernel that runs after functionalization, where the write would not "
+              "reach the viewed tensor. An op outside aten defined after rgpu tensors existed "
+              "runs so until rgpu's next traced op; its later calls run correctly.");
+}
+
 /// Wraps outputs for the user unless we are already inside functionalization (which wraps them
 /// itself). Factories reach the backend directly, so their results are wrapped here.
 at::Tensor forUser(at::Tensor t) {
@@ -710,6 +723,7 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
     if (LazyTensorImpl *target = lazyImpl(dst)) {
       // Into an rgpu tensor (a composite kernel's copy_): trace the functional copy and let the
       // destination take its value.
+      checkWritable(*target, op);
       at::Tensor result = at::_ops::copy::call(dst, src, false);
       target->value = lazyImpl(result)->value;
       torch::jit::drop(*stack, nargs);
@@ -746,7 +760,10 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
 /// A mutation that reached the backend from inside a composite kernel (functionalization is
 /// switched off there): functionalize it here. Its tensors are wrapped, the op is dispatched
 /// again with functionalization on, and each mutated argument takes the resulting value.
-void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+/// With \p composite, the op's composite kernel runs instead (see CustomOps), with the wrapped
+/// tensors, so every op inside it is functionalized.
+void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack,
+                       bool composite = false) {
   namespace fz = at::functionalization::impl;
   const auto &schema = op.schema();
   const size_t nargs = schema.arguments().size();
@@ -755,6 +772,9 @@ void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack) 
   for (size_t i = 0; i < nargs; ++i) {
     c10::IValue &v = (*stack)[base + i];
     if (v.isTensor() && lazyImpl(v.toTensor())) {
+      const c10::AliasInfo *alias = schema.arguments()[i].alias_info();
+      if (alias && alias->isWrite())
+        checkWritable(*lazyImpl(v.toTensor()), op);
       originals[i] = v.toTensor();
       wrappers[i] = fz::to_functional_tensor(originals[i]);
       v = wrappers[i];
@@ -769,7 +789,10 @@ void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack) 
     auto tls = c10::impl::tls_local_dispatch_key_set();
     c10::impl::ForceDispatchKeyGuard on(tls.included_,
                                         tls.excluded_.remove(c10::DispatchKey::Functionalize));
-    op.callBoxed(stack);
+    if (composite) // the CPU entry of an op without a CPU kernel is its composite kernel
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    else
+      op.callBoxed(stack);
   }
   for (size_t i = 0; i < nargs; ++i) {
     const c10::AliasInfo *alias = schema.arguments()[i].alias_info();
@@ -781,16 +804,27 @@ void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack) 
     target->value = result->value;
     target->set_sizes_and_strides(result->sizes(), result->strides());
   }
-  // Results that are wrapped arguments become the caller's own tensors again.
+  // Results that are wrapped arguments become the caller's own tensors again; the others are
+  // unwrapped, with the writes into views of them that are still pending.
+  auto unwrap = [&](const at::Tensor &t) {
+    if (!fz::isFunctionalTensor(t))
+      return t;
+    for (size_t i = 0; i < nargs; ++i)
+      if (wrappers[i].defined() && wrappers[i].is_same(t))
+        return originals[i];
+    fz::sync(t);
+    return fz::from_functional_tensor(t);
+  };
   for (size_t r = base; r < stack->size(); ++r) {
     c10::IValue &v = (*stack)[r];
-    if (!v.isTensor() || !fz::isFunctionalTensor(v.toTensor()))
-      continue;
-    for (size_t i = 0; i < nargs; ++i)
-      if (wrappers[i].defined() && wrappers[i].is_same(v.toTensor()))
-        v = originals[i];
-    if (v.isTensor() && fz::isFunctionalTensor(v.toTensor()))
-      v = fz::from_functional_tensor(v.toTensor());
+    if (v.isTensor()) {
+      v = unwrap(v.toTensor());
+    } else if (v.isTensorList()) {
+      std::vector<at::Tensor> items;
+      for (const at::Tensor &t : v.toTensorList())
+        items.push_back(unwrap(t));
+      v = c10::List<at::Tensor>(items);
+    }
   }
 }
 
@@ -836,7 +870,83 @@ bool isFakeCall(const c10::OperatorHandle &op, const torch::jit::Stack &stack) {
   return meta;
 }
 
+void compositeAboveFunctionalization(const c10::OperatorHandle &op, torch::jit::Stack *stack);
+
+/// True if \p op's kernel for a device it has no kernel of its own for is a composite one.
+bool hasCompositeKernel(const c10::OperatorHandle &op) {
+  return (op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+          op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) &&
+         !op.hasKernelForDispatchKey(c10::DispatchKey::CPU);
+}
+
+/// Ops outside aten whose kernel for rgpu tensors is a composite one (torch.library.custom_op
+/// without device types, an extension's CompositeExplicitAutograd kernel) run it after
+/// functionalization, on unwrapped tensors, where a write into a view of a buffer it made would
+/// be lost (`out[i:j] = y` would leave `out` as it was): a silent wrong answer. Each op outside
+/// aten gets a kernel for rgpu that runs the composite with functionalization on instead, or
+/// says that the op cannot run on rgpu (the server runs aten ops only). Ops are
+/// defined at any time (an import), and the dispatcher calls its listeners under its lock, so
+/// the listener only notes their names; the tracer registers the kernels on its next call,
+/// which comes before such an op can see an rgpu tensor (making one is a call).
+class CustomOps final : public c10::OpRegistrationListener {
+public:
+  static CustomOps &get() {
+    static CustomOps *ops = [] {
+      auto owned = std::make_unique<CustomOps>();
+      CustomOps *raw = owned.get();
+      // Kept to the end: released at exit, the handle would remove the listener under the
+      // dispatcher's lock, and the listener's kernels would then be removed under it again.
+      new c10::RegistrationHandleRAII(
+          c10::Dispatcher::singleton().addRegistrationListener(std::move(owned)));
+      return raw;
+    }();
+    return *ops;
+  }
+
+  void onOperatorRegistered(const c10::OperatorHandle &op) override {
+    llvm::StringRef name(op.operator_name().name);
+    if (name.startswith("aten::") || name.startswith("_c10d_functional::"))
+      return;
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.push_back(op.operator_name());
+    hasPending_.store(true, std::memory_order_release);
+  }
+  void onOperatorDeregistered(const c10::OperatorHandle &op) override {}
+
+  /// Registers the kernels of the ops defined since the last call.
+  void registerPending() {
+    if (!hasPending_.load(std::memory_order_acquire))
+      return;
+    std::vector<c10::OperatorName> names;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      names.swap(pending_);
+      hasPending_.store(false, std::memory_order_release);
+    }
+    auto &dispatcher = c10::Dispatcher::singleton();
+    for (c10::OperatorName &name : names) {
+      auto op = dispatcher.findOp(name);
+      // A kernel for rgpu would also outrank a CompositeImplicitAutograd one, which must
+      // decompose above autograd.
+      if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
+          op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1))
+        continue;
+      handles_.push_back(dispatcher.registerImpl(
+          std::move(name), c10::DispatchKey::PrivateUse1,
+          c10::KernelFunction::makeFromBoxedFunction<&compositeAboveFunctionalization>(),
+          std::nullopt, nullptr, "rgpu: composite kernels run with functionalization on"));
+    }
+  }
+
+private:
+  std::mutex mu_;
+  std::vector<c10::OperatorName> pending_;
+  std::atomic<bool> hasPending_{false};
+  std::vector<c10::RegistrationHandleRAII> handles_; // never released (see get())
+};
+
 void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+  CustomOps::get().registerPending();
   if (isFakeCall(op, *stack))
     return op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
   Session &session = Session::get();
@@ -883,6 +993,10 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
       outs.push_back(makeLazy(std::move(value), meta, device));
     listSizes.assign(count, -1);
   }
+  if (info.viewOp && c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Functionalize))
+    for (const at::Tensor &t : outs)
+      if (LazyTensorImpl *impl = lazyImpl(t))
+        impl->rawView = true;
   torch::jit::drop(*stack, nargs);
   // Outputs are flat; each return takes one tensor or its list's length of them.
   size_t next = 0;
@@ -897,6 +1011,20 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     stack->emplace_back(std::move(list));
   }
   session.maybeCutAtCap();
+}
+
+/// The kernel CustomOps gives an op outside aten: its composite kernel, run with
+/// functionalization on. The server runs aten ops only, so an op that has lost its composite
+/// kernel (a CPU one registered since) cannot run on rgpu.
+void compositeAboveFunctionalization(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+  if (isFakeCall(op, *stack))
+    return fallback(op, stack);
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      hasCompositeKernel(op), "Could not run '", op.operator_name().name,
+      "' with arguments from the 'rgpu' backend: it has kernels for other devices only, and "
+      "rgpu-opserver runs aten ops. A composite implementation (torch.library.custom_op "
+      "without device_types) runs on rgpu, as the aten ops it calls.");
+  functionalizeHere(op, stack, /*composite=*/true);
 }
 
 /// `x.half()` on an rgpu tensor: functionalization's own _to_copy kernel takes every backend it
@@ -1001,6 +1129,7 @@ c10::DeviceIndex currentDevice() { return tlsDevice; }
 void setCurrentDevice(c10::DeviceIndex index) { tlsDevice = index; }
 
 void registerWholeOps() {
+  CustomOps::get().registerPending(); // installs the listener; ops defined so far are noted
   // Composite kernels outrank a backend fallback in the dispatcher, and the generated ones
   // implement functional ops through their out= variants: the backend would then see mutations.
   // So every functional aten op with a CompositeExplicitAutograd(NonFunctional) kernel gets this

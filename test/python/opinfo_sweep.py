@@ -1,6 +1,6 @@
 """Runs PyTorch's OpInfo database on rgpu and on CPU and compares.
 
-    python test/python/opinfo_sweep.py [--dtype float32|bfloat16|float16|complex64] [--grad]
+    python test/python/opinfo_sweep.py [--dtype float32|bfloat16|int64|bool|...] [--grad]
                                        [--limit-samples N] [--ops name,name] [--check-metas]
 
 With --grad the gradients of the samples' inputs are compared too (the sum of every
@@ -149,7 +149,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit-samples", type=int, default=4)
     p.add_argument("--ops", default="")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "complex64"])
+    p.add_argument("--dtype", default="float32",
+                   choices=["float32", "float64", "bfloat16", "float16", "complex64", "complex128",
+                            "int64", "int32", "int16", "int8", "uint8", "bool"])
     p.add_argument("--grad", action="store_true", help="compare input gradients too")
     p.add_argument("--check-metas", action="store_true",
                    help="check the tracer's C++ meta kernels against the dispatcher's")

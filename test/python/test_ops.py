@@ -329,3 +329,78 @@ def test_embedding_bag_forward_and_backward_match_cpu(mode):
                 results.append((y, w.grad, bag()))
         for actual, expected in zip(results[1], results[0]):
             same(actual, expected.detach())
+
+
+@torch.library.custom_op("rgpu_test::chunked_scale", mutates_args=())
+def _chunked_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.empty_like(x)  # filled a slice at a time, as chunked kernels do
+    for i in range(0, x.shape[0], 2):
+        out[i:i + 2] = x[i:i + 2] * scale
+    return out
+
+
+_chunked_scale.register_autograd(lambda ctx, grad: (grad * ctx.scale, None),
+                                 setup_context=lambda ctx, inputs, output: setattr(ctx, "scale", inputs[1]))
+
+
+@torch.library.custom_op("rgpu_test::shifted_pair", mutates_args=())
+def _shifted_pair(x: torch.Tensor) -> list[torch.Tensor]:
+    shifted = torch.zeros_like(x)
+    shifted[1:] = x[:-1]
+    return [shifted, x.clone()]
+
+
+@torch.library.custom_op("rgpu_test::cpu_only", mutates_args=(), device_types="cpu")
+def _cpu_only(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def test_custom_ops_with_composite_kernels_write_into_their_buffers_as_on_cpu():
+    # A composite kernel runs after functionalization for a device without a kernel of its
+    # own; there, `out[i:j] = y` would leave `out` as it was. rgpu runs it with
+    # functionalization on, so the writes land, gradients too.
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    xc, xr = x.clone().requires_grad_(), x.to(R).requires_grad_()
+    expected, actual = _chunked_scale(xc, 2.5), _chunked_scale(xr, 2.5)
+    same(actual, expected.detach())
+    (expected * expected).sum().backward()
+    (actual * actual).sum().backward()
+    same(xr.grad, xc.grad)
+    same(_shifted_pair(x.to(R)), _shifted_pair(x))
+    with pytest.raises(NotImplementedError, match="rgpu_test::cpu_only.*other devices only"):
+        _cpu_only(x.to(R))
+
+
+def test_an_op_defined_after_rgpu_tensors_exist_never_answers_wrongly():
+    x = torch.arange(6.0).to(R)  # rgpu is in use before the op exists
+    lib = torch.library.Library("rgpu_test_late", "DEF")
+    lib.define("halves(Tensor x) -> Tensor")
+
+    def halves(t):
+        out = torch.zeros_like(t)
+        out[: t.shape[0] // 2] = t[: t.shape[0] // 2]
+        return out
+    lib.impl("halves", halves, "CompositeExplicitAutograd")
+    # rgpu learns of the op at its next traced op, which here is inside the op's first call.
+    with pytest.raises(RuntimeError, match="writes into a view made inside a composite kernel"):
+        torch.ops.rgpu_test_late.halves(x)
+    same(torch.ops.rgpu_test_late.halves(x), halves(x.cpu()))
+    y = torch.arange(4.0).to(R)
+    lib.define("halves2(Tensor x) -> Tensor")  # an op defined with a traced op before its call
+    lib.impl("halves2", halves, "CompositeExplicitAutograd")
+    same(torch.ops.rgpu_test_late.halves2(y * 1), halves(y.cpu()))
+
+
+def test_transformers_grouped_mm_fallback_op_matches_cpu():
+    pytest.importorskip("transformers")
+    from transformers.integrations import moe  # noqa: F401 - defines the op
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(10, 8, generator=g), torch.randn(3, 8, 6, generator=g)
+    offs = torch.tensor([3, 3, 10], dtype=torch.int32)
+    results = []
+    for device in ("cpu", R):
+        xi, wi = x.clone().to(device).requires_grad_(), w.clone().to(device).requires_grad_()
+        y = torch.ops.transformers.grouped_mm_fallback(xi, wi, offs.to(device))
+        (y * y).sum().backward()
+        results.append((y.detach(), xi.grad, wi.grad))
+    same(results[1], results[0])

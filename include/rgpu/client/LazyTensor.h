@@ -71,6 +71,9 @@ public:
   Value value;
   /// rgpu.on_ready waits for this pending tensor: the cut that computes it asks for its bytes.
   bool wantValue = false;
+  /// Made by a view op after functionalization (inside a composite kernel): a copy, which a
+  /// write must not take for an alias.
+  bool rawView = false;
   /// Intrusive list of live impls, walked at every cut (guarded by the session lock).
   LazyTensorImpl *prev = nullptr, *next = nullptr;
 
