@@ -138,6 +138,20 @@ T groupedMm(CT a, CT b, OptCT offs, OptCT bias, OptDtype outDtype) {
 T convolution(CT input, CT weight, OptCT bias, c10::SymIntArrayRef stride,
               c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool transposed,
               c10::SymIntArrayRef outputPadding, c10::SymInt groups) {
+  // The commonest mistakes, with CPU's messages (the meta kernel's say less).
+  const int64_t g = groups.guard_int(__FILE__, __LINE__);
+  if (input.dim() == weight.dim() && input.dim() >= 3 && g > 0) {
+    const int64_t want = transposed ? weight.size(0) : weight.size(1) * g;
+    TORCH_CHECK(input.size(1) == want, "Given ",
+                transposed ? "transposed=1" : "groups=" + std::to_string(g), ", weight of size ",
+                weight.sizes(), ", expected input", input.sizes(), " to have ", want,
+                " channels, but got ", input.size(1), " channels instead");
+    const int64_t outChannels = transposed ? weight.size(1) * g : weight.size(0);
+    TORCH_CHECK(!bias || !bias->defined() || (bias->dim() == 1 && bias->size(0) == outChannels),
+                "Given weight of size ", weight.sizes(), ", expected bias to be 1-dimensional "
+                "with ", outChannels, " elements, but got bias of size ", bias->sizes(),
+                " instead");
+  }
   T out = at::_ops::convolution::redispatch(c10::DispatchKeySet(c10::DispatchKey::Meta), input,
                                             weight, bias, stride, padding, dilation, transposed,
                                             outputPadding, std::move(groups));

@@ -252,8 +252,14 @@ def test_convolutions_keep_channels_last_as_cpu_and_cuda_do():
     agree(F.conv3d, randn(2, 3, 4, 5, 5), randn(4, 3, 3, 3, 3).contiguous(memory_format=cl3))
     agree(F.conv1d, randn(2, 3, 9), randn(4, 3, 3))
     agree(F.conv2d, x.to(torch.float64).contiguous(memory_format=cl), w.to(torch.float64))
-    with pytest.raises(RuntimeError, match="channel"):
-        F.conv2d(randn(2, 5, 8, 8).to(R), w.to(R))
+    for fn, args in [(F.conv2d, (randn(2, 5, 8, 8), w)),
+                     (F.conv_transpose2d, (randn(2, 5, 5, 5), randn(3, 4, 3, 3))),
+                     (F.conv2d, (x, w, randn(5)))]:
+        with pytest.raises(RuntimeError) as cpu:
+            fn(*args)
+        with pytest.raises(RuntimeError) as rgpu_error:
+            fn(*[a.to(R) for a in args])
+        assert str(rgpu_error.value) == str(cpu.value)  # CPU's message, before the server
 
 def test_losses_and_backward_ops_through_autograd():
     torch.manual_seed(0)
