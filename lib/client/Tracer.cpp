@@ -886,8 +886,10 @@ bool hasCompositeKernel(const c10::OperatorHandle &op) {
 /// aten gets a kernel for rgpu that runs the composite with functionalization on instead, or
 /// says that the op cannot run on rgpu (the server runs aten ops only). Ops are
 /// defined at any time (an import), and the dispatcher calls its listeners under its lock, so
-/// the listener only notes their names; the tracer registers the kernels on its next call,
-/// which comes before such an op can see an rgpu tensor (making one is a call).
+/// the listener only notes their names and the tracer registers the kernels on its next call.
+/// That is before the op's first call unless the op was defined after rgpu tensors existed and
+/// is called before anything else is traced; that first call runs unwrapped, and
+/// checkWritable refuses a write into a view made there.
 class CustomOps final : public c10::OpRegistrationListener {
 public:
   static CustomOps &get() {
@@ -917,6 +919,7 @@ public:
   void registerPending() {
     if (!hasPending_.load(std::memory_order_acquire))
       return;
+    std::lock_guard<std::mutex> registering(registerMu_); // one thread fills handles_
     std::vector<c10::OperatorName> names;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -939,7 +942,7 @@ public:
   }
 
 private:
-  std::mutex mu_;
+  std::mutex mu_, registerMu_;
   std::vector<c10::OperatorName> pending_;
   std::atomic<bool> hasPending_{false};
   std::vector<c10::RegistrationHandleRAII> handles_; // never released (see get())
