@@ -757,6 +757,10 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
   return false;
 }
 
+/// A backend nothing registers kernels for: an op's entry for it is the op's composite kernel,
+/// whatever kernels it has for CPU or CUDA.
+constexpr c10::DispatchKey kCompositeEntry = c10::DispatchKey::PrivateUse3;
+
 /// A mutation that reached the backend from inside a composite kernel (functionalization is
 /// switched off there): functionalize it here. Its tensors are wrapped, the op is dispatched
 /// again with functionalization on, and each mutated argument takes the resulting value.
@@ -789,8 +793,8 @@ void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack,
     auto tls = c10::impl::tls_local_dispatch_key_set();
     c10::impl::ForceDispatchKeyGuard on(tls.included_,
                                         tls.excluded_.remove(c10::DispatchKey::Functionalize));
-    if (composite) // the CPU entry of an op without a CPU kernel is its composite kernel
-      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    if (composite)
+      op.redispatchBoxed(c10::DispatchKeySet(kCompositeEntry), stack);
     else
       op.callBoxed(stack);
   }
@@ -872,11 +876,12 @@ bool isFakeCall(const c10::OperatorHandle &op, const torch::jit::Stack &stack) {
 
 void compositeAboveFunctionalization(const c10::OperatorHandle &op, torch::jit::Stack *stack);
 
-/// True if \p op's kernel for a device it has no kernel of its own for is a composite one.
+/// True if \p op's kernel for a device it has no kernel of its own for is a composite one, which
+/// its kCompositeEntry entry then is.
 bool hasCompositeKernel(const c10::OperatorHandle &op) {
   return (op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
           op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) &&
-         !op.hasKernelForDispatchKey(c10::DispatchKey::CPU);
+         !op.hasKernelForDispatchKey(kCompositeEntry);
 }
 
 /// Ops outside aten whose kernel for rgpu tensors is a composite one (torch.library.custom_op
@@ -1017,8 +1022,8 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
 }
 
 /// The kernel CustomOps gives an op outside aten: its composite kernel, run with
-/// functionalization on. The server runs aten ops only, so an op that has lost its composite
-/// kernel (a CPU one registered since) cannot run on rgpu.
+/// functionalization on. The server runs aten ops only, so an op without one (kernels for CPU
+/// or CUDA only) cannot run on rgpu.
 void compositeAboveFunctionalization(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   if (isFakeCall(op, *stack))
     return fallback(op, stack);

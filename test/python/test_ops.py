@@ -350,6 +350,18 @@ def _shifted_pair(x: torch.Tensor) -> list[torch.Tensor]:
     return [shifted, x.clone()]
 
 
+@torch.library.custom_op("rgpu_test::shifted_with_cpu_kernel", mutates_args=())
+def _shifted_with_cpu_kernel(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    out[1:] = x[:-1]
+    return out
+
+
+@_shifted_with_cpu_kernel.register_kernel("cpu")
+def _(x):  # a CPU kernel of its own: other devices still run the composite one
+    return torch.cat([torch.zeros_like(x[:1]), x[:-1]])
+
+
 @torch.library.custom_op("rgpu_test::cpu_only", mutates_args=(), device_types="cpu")
 def _cpu_only(x: torch.Tensor) -> torch.Tensor:
     return x * 3
@@ -367,6 +379,7 @@ def test_custom_ops_with_composite_kernels_write_into_their_buffers_as_on_cpu():
     (actual * actual).sum().backward()
     same(xr.grad, xc.grad)
     same(_shifted_pair(x.to(R)), _shifted_pair(x))
+    same(_shifted_with_cpu_kernel(x.to(R)), _shifted_with_cpu_kernel(x))
     with pytest.raises(NotImplementedError, match="rgpu_test::cpu_only.*other devices only"):
         _cpu_only(x.to(R))
 
