@@ -41,6 +41,18 @@ using ir::Arg;
 uint8_t mathBits(const c10::TensorImpl &t) { return (t.is_conj() ? 1 : 0) | (t.is_neg() ? 2 : 0); }
 uint8_t mathBits(const at::Tensor &t) { return mathBits(*t.unsafeGetTensorImpl()); }
 
+/// Replaces the tensor \p v holds, or each tensor of the list it holds, with \p fn of it.
+template <class Fn> void mapTensors(c10::IValue &v, const Fn &fn) {
+  if (v.isTensor()) {
+    v = fn(v.toTensor());
+  } else if (v.isTensorList()) {
+    std::vector<at::Tensor> items;
+    for (const at::Tensor &t : v.toTensorList())
+      items.push_back(fn(t));
+    v = c10::List<at::Tensor>(items);
+  }
+}
+
 /// A meta twin with \p bits set, as `_conj` and `_neg_view` set them.
 at::Tensor withMathBits(at::Tensor t, uint8_t bits) {
   if (bits & 1)
@@ -355,18 +367,10 @@ private:
         for (c10::IValue &r : twin) {
           // A view's result aliases its input; the value rgpu holds is a fresh tensor with
           // the same sizes, strides and math bits.
-          auto fresh = [](const at::Tensor &t) {
+          mapTensors(r, [](const at::Tensor &t) {
             return withMathBits(at::empty_strided(t.sizes(), t.strides(), t.options()),
                                 mathBits(t));
-          };
-          if (r.isTensor()) {
-            r = fresh(r.toTensor());
-          } else if (r.isTensorList()) {
-            std::vector<at::Tensor> list;
-            for (const at::Tensor &t : r.toTensorList())
-              list.push_back(fresh(t));
-            r = list;
-          }
+          });
         }
         meta_ = std::move(twin);
         return;
@@ -819,17 +823,8 @@ void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack,
     fz::sync(t);
     return fz::from_functional_tensor(t);
   };
-  for (size_t r = base; r < stack->size(); ++r) {
-    c10::IValue &v = (*stack)[r];
-    if (v.isTensor()) {
-      v = unwrap(v.toTensor());
-    } else if (v.isTensorList()) {
-      std::vector<at::Tensor> items;
-      for (const at::Tensor &t : v.toTensorList())
-        items.push_back(unwrap(t));
-      v = c10::List<at::Tensor>(items);
-    }
-  }
+  for (size_t r = base; r < stack->size(); ++r)
+    mapTensors((*stack)[r], unwrap);
 }
 
 /// Functionalization's kernel for `_pack_padded_sequence`, which takes its lengths and answers
