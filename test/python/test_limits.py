@@ -195,3 +195,31 @@ def test_graphs_past_the_budget_are_forgotten_and_defined_again_with_the_same_lo
         assert not any("refused" in line for line in server.log), server.log
     finally:
         server.stop()
+
+
+def test_cpu_stand_ins_stay_inside_the_session_quota():
+    # A CPU server computes CUDA-only kernels itself (server/StandIns.cpp); what they allocate
+    # is charged like any kernel's output, and a bad argument is the kernel's own error.
+    server = Server("--session-memory", "64MiB")
+    try:
+        beside = train_beside(server.address, 100)
+        r = run_client(server.address, textwrap.dedent("""
+            import torch, rgpu
+            x = torch.randint(0, 4, (64,), dtype=torch.int32).to("rgpu")
+            for bins in (1 << 28, 0, 4):  # 2 GiB of counts, none, four
+                try:
+                    print(torch.histc(x, bins=bins, min=0, max=3).sum().item())
+                except (rgpu.RemoteError, RuntimeError) as e:
+                    print("refused:", str(e).splitlines()[0])
+        """) + TRAIN.format(steps=10))
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith("refused: aten::histc failed on the server"), lines
+        assert "memory quota of 64 MiB" in lines[0], lines
+        assert lines[1].startswith("refused:") and "bins must be > 0" in lines[1], lines
+        assert lines[2:] == ["64", "True"], lines  # the session goes on, and trains
+        out, err = beside.communicate(timeout=120)
+        assert beside.returncode == 0 and out.strip() == "True", err
+        assert server.alive()
+    finally:
+        server.stop()
