@@ -284,6 +284,8 @@ ErrorPtr sessionError(std::string message) {
 /// One entry of ServerFrame.results, gathered before the reply is built.
 /// The longest a JoinGroup waits for the group's other servers (its worker waits with it).
 constexpr uint32_t kGroupTimeoutMs = 30 * 60 * 1000;
+/// A generator state a client may send (a CPU generator's is 5056 bytes, CUDA's 16).
+constexpr size_t kMaxRngStateBytes = 64 * 1024;
 
 struct ResultItem {
   wire::Result::Which kind;
@@ -291,6 +293,7 @@ struct ResultItem {
   std::vector<ir::TensorMeta> metas;
   std::string text;
   uint8_t device = 0; ///< MEMORY: the rgpu device whose figures it gives
+  uint64_t seed = 0;  ///< RNG_STATE: the generator's initial seed (its state is in data)
 };
 } // namespace
 
@@ -439,6 +442,33 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         results.back().device = index;
         break;
       }
+      case wire::Command::RNG_STATE: {
+        auto r = cmd.getRngState();
+        if (r.getDevice() >= generators_.size() ||
+            r.getState().size() > kMaxRngStateBytes) {
+          fatal = r.getDevice() >= generators_.size()
+                      ? "a generator state request for rgpu:" + std::to_string(r.getDevice()) +
+                            " of a server with " + std::to_string(generators_.size()) + " devices"
+                      : "a generator state of " + std::to_string(r.getState().size()) +
+                            " bytes, more than the limit of " + std::to_string(kMaxRngStateBytes);
+          break;
+        }
+        // The result comes first: a state the generator refuses still gets its (empty) answer,
+        // and the error says why.
+        results.push_back({wire::Result::RNG_STATE, nullptr, {}});
+        at::Generator &g = generators_[r.getDevice()];
+        std::lock_guard<std::mutex> lock(g.mutex());
+        if (r.getSet()) {
+          auto bytes = r.getState();
+          at::Tensor state = at::empty({int64_t(bytes.size())}, at::kByte);
+          std::memcpy(state.data_ptr(), bytes.begin(), bytes.size());
+          g.set_state(state); // checks the size and the values, as torch.cuda.set_rng_state
+        }
+        at::Tensor state = g.get_state().contiguous();
+        results.back().data = kj::heapArray<kj::byte>(state.const_data_ptr<uint8_t>(), state.numel());
+        results.back().seed = g.current_seed();
+        break;
+      }
       case wire::Command::HOST_STORE:
         results.push_back({wire::Result::TEXT, nullptr, {}, {}});
         results.back().text = groups_.hostStore(ctx_.storeHost, std::chrono::minutes(30));
@@ -507,6 +537,12 @@ FrameOutcome Session::serve(const net::Frame &frame) {
     case wire::Result::STATS: stats(rs[i].initStats()); break;
     case wire::Result::MEMORY: device::figures(ctx_.devices()[item.device], rs[i].initMemory()); break;
     case wire::Result::TEXT: rs[i].setText(item.text); break;
+    case wire::Result::RNG_STATE: {
+      auto g = rs[i].initRngState();
+      g.setState(item.data);
+      g.setInitialSeed(item.seed);
+      break;
+    }
     default: rs[i].setDone(); break;
     }
   }

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <ctime>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <unistd.h>
 
@@ -59,6 +60,7 @@ struct Session::Command {
   bool resetPeak = false, emptyCache = false; ///< A MemoryRequest's.
   uint8_t device = 0;                          ///< An Upload's or a MemoryRequest's.
   std::string store, prefix;                  ///< A JoinGroup's (rank: handle, size: count).
+  std::optional<std::string> rngState;        ///< A RngStateRequest's state to set.
   ir::TensorMeta meta;
   at::Tensor data; ///< A private CPU copy of an upload's bytes.
   uint64_t offset = 0, length = 0;
@@ -205,6 +207,7 @@ void Session::reset() {
 
 void Session::seed(uint64_t value) {
   Lock lock(*this);
+  cut("torch.manual_seed");
   Command c;
   c.kind = wire::Command::SEED;
   c.handle = value;
@@ -843,6 +846,29 @@ Session::DeviceMemory Session::deviceMemory(int device, bool resetPeak, bool emp
   return reply.memory.back();
 }
 
+Session::RngState Session::rngState(int device) {
+  Lock lock(*this);
+  cut("torch.rgpu.get_rng_state");
+  Command c;
+  c.kind = wire::Command::RNG_STATE;
+  c.device = uint8_t(device);
+  queue(std::move(c));
+  Reply reply = flush(true);
+  if (reply.rngStates.empty())
+    lose("the server did not answer a generator state request");
+  return reply.rngStates.back();
+}
+
+void Session::setRngState(int device, std::string state) {
+  Lock lock(*this);
+  cut("torch.rgpu.set_rng_state");
+  Command c;
+  c.kind = wire::Command::RNG_STATE;
+  c.device = uint8_t(device);
+  c.rngState = std::move(state);
+  queue(std::move(c));
+}
+
 std::string Session::askText(Command c, const char *reason) {
   Lock lock(*this);
   cut(reason);
@@ -967,6 +993,16 @@ Session::Reply Session::flush(bool wantReply) {
       break;
     }
     case wire::Command::SYNC: cb.setSync(); break;
+    case wire::Command::RNG_STATE: {
+      auto r = cb.initRngState();
+      r.setDevice(c.device);
+      if (c.rngState) {
+        r.setSet(true);
+        r.setState(kj::arrayPtr(reinterpret_cast<const kj::byte *>(c.rngState->data()),
+                                c.rngState->size()));
+      }
+      break;
+    }
     case wire::Command::HOST_STORE: cb.setHostStore(); break;
     case wire::Command::JOIN_GROUP: {
       auto j = cb.initJoinGroup();
@@ -1204,6 +1240,13 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
         break;
       }
       case wire::Result::TEXT: results.texts.push_back(r.getText()); break;
+      case wire::Result::RNG_STATE: {
+        auto g = r.getRngState();
+        results.rngStates.push_back(
+            {std::string(reinterpret_cast<const char *>(g.getState().begin()), g.getState().size()),
+             g.getInitialSeed()});
+        break;
+      }
       default: break;
       }
     }

@@ -1094,6 +1094,12 @@ struct Hooks final : at::PrivateUse1HooksInterface {
     static at::Generator generator = at::make_generator<at::CPUGeneratorImpl>();
     return generator;
   }
+  at::Generator getNewGenerator(c10::DeviceIndex) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false, "rgpu: torch.Generator(device=\"rgpu\") is not supported: random ops on rgpu "
+        "draw from the session's generator on the server. Seed it with torch.manual_seed; save "
+        "and restore it with torch.rgpu.get_rng_state and set_rng_state");
+  }
   at::Device getDeviceFromPtr(void *) const override { return {c10::DeviceType::PrivateUse1, tlsDevice}; }
   bool isPinnedPtr(const void *) const override { return false; }
   at::Allocator *getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }

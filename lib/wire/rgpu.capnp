@@ -156,7 +156,22 @@ struct Command {
     hostStore @13 :Void;  # start a rendezvous store for a job spread over servers (one
                           # server of the job does); answered with its "host:port" (text)
     joinGroup @14 :JoinGroup; # answered with the group's name for this session's graphs (text)
+    rngState @15 :RngStateRequest; # answered with the generator's state (rngState)
   }
+}
+
+# torch.rgpu.get_rng_state / set_rng_state: the state of this session's generator of a device,
+# which every random op without an explicit generator draws from. Ordered with the Runs of the
+# frame, as the user's calls are with the ops around them.
+struct RngStateRequest {
+  device @0 :UInt8;      # rgpu:device, an index into HelloReply.devices
+  set @1 :Bool;          # first set the state to `state` (as Generator.set_state checks it)
+  state @2 :Data;        # a state that get_rng_state gave, at most 64 KiB
+}
+
+struct RngState {
+  state @0 :Data;        # Generator.get_state(): 5056 bytes on a CPU server, 16 on CUDA
+  initialSeed @1 :UInt64; # the seed it was last seeded with (torch.rgpu.initial_seed)
 }
 
 # This session joins a torch.distributed process group among the servers of a job (Gloo), as
@@ -246,6 +261,7 @@ struct Result {
     stats @4 :ServerStats;         # a Stats
     memory @5 :DeviceMemory;       # a MemoryRequest
     text @6 :Text;                 # a HostStore's address, a JoinGroup's group name
+    rngState @7 :RngState;         # a RngStateRequest
   }
 }
 
@@ -298,8 +314,9 @@ struct ServerStats {
 
 struct ServerFrame {
   ackSeq @0 :UInt64;
-  results @1 :List(Result);    # one per Hello, Download, Sync, Stats, MemoryRequest and
-                               # replyMetas Run, in order
+  results @1 :List(Result);    # one per Hello, Download, Sync, Stats, MemoryRequest,
+                               # RngStateRequest, HostStore, JoinGroup and replyMetas Run, in
+                               # order
   error @2 :Error;             # the first error since the last reply; absent if none
   notes @3 :List(Text);        # what the server wants the user to know (compiles); logged
   challenge @4 :Challenge;     # only in the first frame of a TCP connection

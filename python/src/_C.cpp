@@ -195,7 +195,20 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "synchronize", []() { Session::get().synchronize(); },
       py::call_guard<py::gil_scoped_release>());
-  m.def("seed", [](uint64_t seed) { Session::get().seed(seed); });
+  m.def("seed", [](uint64_t seed) { Session::get().seed(seed); },
+        py::call_guard<py::gil_scoped_release>());
+  // (state bytes, initial seed) of the session's generator of a device.
+  m.def("rng_state", [](int device) {
+    Session::RngState got;
+    {
+      py::gil_scoped_release release;
+      got = Session::get().rngState(device);
+    }
+    return py::make_tuple(py::bytes(got.state), got.initialSeed);
+  });
+  m.def("set_rng_state", [](int device, const std::string &state) {
+    Session::get().setRngState(device, state);
+  }, py::call_guard<py::gil_scoped_release>());
   auto impl = [](const at::Tensor &t) {
     LazyTensorImpl *i = lazyImpl(t);
     if (!i)

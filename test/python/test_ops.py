@@ -158,6 +158,76 @@ def test_random_ops_follow_torch_manual_seed():
     assert 300 < int((d == 0).sum()) < 700
 
 
+def test_manual_seed_between_ops_reseeds_where_it_is_called():
+    # Ops traced before torch.manual_seed draw before it, though nothing was synced in between.
+    def draw(seed):
+        torch.manual_seed(seed)
+        return torch.randn(3, device=R).cpu()
+
+    five, zero = draw(5), draw(0)
+    torch.manual_seed(5)
+    x = torch.randn(3, device=R)
+    torch.manual_seed(0)
+    y = torch.randn(3, device=R)
+    assert torch.equal(x.cpu(), five) and torch.equal(y.cpu(), zero)
+
+
+def test_rng_state_is_saved_and_restored_where_it_is_called():
+    torch.manual_seed(11)
+    assert torch.rgpu.initial_seed() == 11
+    torch.rand(4, device=R).cpu()
+    after_draw = torch.rgpu.get_rng_state()
+    torch.manual_seed(11)
+    drawn = torch.rand(4, device=R)  # traced, not yet run: the state is read after it draws
+    state = torch.rgpu.get_rng_state()
+    assert state.dtype == torch.uint8 and state.device.type == "cpu"
+    assert torch.equal(state, after_draw)
+    del drawn
+    a = torch.randn(5, device=R)
+    torch.rgpu.set_rng_state(state)
+    b = torch.randn(5, device=R)
+    assert torch.equal(a.cpu(), b.cpu())
+    with torch.random.fork_rng(device_type="rgpu"):
+        c = torch.randn(5, device=R).cpu()
+    assert torch.equal(torch.randn(5, device=R).cpu(), c)
+    assert len(torch.rgpu.get_rng_state_all()) == torch.rgpu.device_count()
+
+
+def test_a_bad_rng_state_is_a_remote_error_and_the_session_goes_on():
+    torch.manual_seed(1)
+    expected = torch.randn(3, device=R).cpu()
+    torch.rgpu.set_rng_state(torch.zeros(7, dtype=torch.uint8))
+    with pytest.raises(rgpu.RemoteError, match="size"):
+        torch.randn(3, device=R).cpu()
+    with pytest.raises(TypeError, match="ByteTensor"):
+        torch.rgpu.set_rng_state(torch.zeros(7))
+    with pytest.raises(NotImplementedError, match="manual_seed"):
+        torch.Generator(device=R)
+    torch.manual_seed(1)
+    assert torch.equal(torch.randn(3, device=R).cpu(), expected)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_dropout_recomputes_the_forward_masks(reentrant):
+    # torch.utils.checkpoint saves the device's RNG state and restores it to recompute the
+    # forward in backward; without it, the recomputed dropout masks differ and the gradients
+    # are silently wrong.
+    from torch.utils.checkpoint import checkpoint
+
+    def grads(use_checkpoint):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.GELU(),
+                                torch.nn.Dropout(0.3), torch.nn.Linear(8, 1)).to(R)
+        x = torch.randn(4, 8, device=R, requires_grad=True)
+        torch.manual_seed(1)
+        out = checkpoint(m, x, use_reentrant=reentrant) if use_checkpoint else m(x)
+        out.sum().backward()
+        return [p.grad.cpu() for p in m.parameters()] + [x.grad.cpu()]
+
+    for got, want in zip(grads(True), grads(False)):
+        torch.testing.assert_close(got, want)
+
+
 def test_batchnorm_in_eval_mode():
     import copy
 

@@ -176,7 +176,20 @@ public:
   void release(uint64_t handle);
   /// Raises SessionLost if \p v is data of a session that reset() ended.
   void checkCurrent(const Value &v);
+  /// torch.manual_seed: seeds the session's generator of every device. Ops traced before it
+  /// draw before it: the trace is cut first.
   void seed(uint64_t seed);
+  /// The state of the session's generator of \p device, after everything traced so far has
+  /// drawn from it. One round trip.
+  struct RngState {
+    std::string state;
+    uint64_t initialSeed = 0;
+  };
+  RngState rngState(int device);
+  /// Sets that state at this point of the trace: ops traced before draw from the old state,
+  /// ops traced after from \p state. Sent with the next frame; a state the server refuses is
+  /// a RemoteError at the next sync.
+  void setRngState(int device, std::string state);
   /// Waits until the server has executed everything sent so far.
   void synchronize();
   uint64_t liveTensors() const { return live_; }
@@ -276,6 +289,7 @@ private:
     std::vector<ServerStats> stats;                 ///< Stats requests.
     std::vector<DeviceMemory> memory;               ///< Memory requests.
     std::vector<std::string> texts;                 ///< HostStore and JoinGroup answers.
+    std::vector<RngState> rngStates;                ///< RngState requests.
     std::string error;                              ///< A remote error, described.
   };
   /// Per graph, the inputs and scalars of the latest Run sent: the next one says only what
