@@ -25,6 +25,17 @@ LazyTensorImpl::LazyTensorImpl(Value v, const ir::TensorMeta &meta, c10::DeviceI
 
 LazyTensorImpl::~LazyTensorImpl() { Session::get().untrack(this); }
 
+void LazyTensorImpl::setInference(bool inference) {
+  if (inference) {
+    key_set_ = key_set_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
+    version_counter_ = c10::VariableVersion(c10::VariableVersion::DISABLED);
+  } else {
+    key_set_ = key_set_ |
+               c10::getAutogradRelatedKeySetFromBackend(c10::BackendComponent::PrivateUse1Bit);
+    version_counter_ = c10::VariableVersion(0);
+  }
+}
+
 ir::TensorMeta LazyTensorImpl::meta() const {
   return bridge::metaOf(*this);
 }

@@ -185,6 +185,8 @@ struct OpInfo {
   ir::Symbol symbol;
   bool mutableSchema, otherLayouts, dataDependent, followsScalars, acceptsCpu,
       crossesDevices, viewOp;
+  /// A view op, or the *_copy op functionalization runs for one.
+  bool anyView;
   std::vector<ArgInfo> args;
 
   explicit OpInfo(const c10::OperatorHandle &op);
@@ -202,6 +204,7 @@ OpInfo::OpInfo(const c10::OperatorHandle &op) : name(op.operator_name()) {
   crossesDevices = rgpu::client::crossesDevices(n);
   const auto &returns = op.schema().returns();
   viewOp = !returns.empty() && returns[0].alias_info() && !returns[0].alias_info()->isWrite();
+  anyView = viewOp || bridge::viewOf(name).has_value();
   for (const c10::Argument &a : op.schema().arguments()) {
     c10::TypePtr type = a.type();
     ArgInfo info{};
@@ -1000,6 +1003,18 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     for (const at::Tensor &t : outs)
       if (LazyTensorImpl *impl = lazyImpl(t))
         impl->rawView = true;
+  // A view is an inference tensor if its input is one, inside torch.inference_mode or not
+  // (torch's rule, which ADInplaceOrView relies on when it gives a view its base's version
+  // counter). The wrapper functionalization puts around this output takes its keys from it.
+  if (info.anyView)
+    for (const c10::IValue &arg : torch::jit::last(*stack, nargs))
+      if (arg.isTensor()) {
+        const bool inference = arg.toTensor().is_inference();
+        for (const at::Tensor &t : outs)
+          if (t.defined() && t.is_inference() != inference)
+            static_cast<LazyTensorImpl *>(t.unsafeGetTensorImpl())->setInference(inference);
+        break;
+      }
   torch::jit::drop(*stack, nargs);
   // Outputs are flat; each return takes one tensor or its list's length of them.
   size_t next = 0;

@@ -21,10 +21,15 @@ Three things differ from a CUDA tensor, and each is handled here:
   ``save_pretrained``) get an address that, like a CUDA device pointer, is not readable here:
   equal for tensors that share storage (views, tied weights), different otherwise; a tensor's
   ``data_ptr()`` is that address plus its offset, as for CUDA.
+* **Deep copies.** torch deep-copies a tensor by copying its storage, which for rgpu would be
+  allocated on the client; an rgpu tensor deep-copies as a clone on the server, as XLA and lazy
+  tensors do. Parameters already clone (so tied weights stay tied through the memo); tensors
+  that were views of one storage become independent copies, as for XLA.
 """
 
 import collections
 import contextlib
+import copy
 import functools
 import threading
 
@@ -222,6 +227,25 @@ def _load(f, map_location=None, *args, **kwargs):
         return _to_device(obj, everything, targets, {}, uses)
 
 
+_original_deepcopy = torch.Tensor.__deepcopy__
+
+
+def _deepcopy(self, memo):
+    if type(self) is not torch.Tensor or self.device.type != "rgpu" or not self.is_leaf or \
+            id(self) in memo:
+        return _original_deepcopy(self, memo)
+    with torch.no_grad():
+        new = self.clone(memory_format=torch.preserve_format)
+    if self.requires_grad:
+        new.requires_grad_()
+    if self.grad is not None:
+        new.grad = self.grad.__deepcopy__(memo)
+    self._clear_non_serializable_cached_data()
+    new.__dict__ = copy.deepcopy(self.__dict__, memo)
+    memo[id(self)] = new
+    return new
+
+
 _original_storage_data_ptr = torch.UntypedStorage.data_ptr
 
 
@@ -245,5 +269,6 @@ def install():
     torch.Tensor.data_ptr = functools.wraps(_original_tensor_data_ptr)(_tensor_data_ptr)
     torch.nn.Module._apply = _apply
     torch.Tensor._reduce_ex_internal = _reduce_ex_internal
+    torch.Tensor.__deepcopy__ = functools.wraps(_original_deepcopy)(_deepcopy)
     torch.save = torch.serialization.save = _save
     torch.load = torch.serialization.load = _load

@@ -1,5 +1,6 @@
 """Moving, saving and printing rgpu tensors and modules behaves as it does for CUDA tensors."""
 
+import copy
 import io
 import os
 import sys
@@ -226,3 +227,34 @@ def test_a_map_location_that_names_no_rgpu_device_is_torchs_own():
 def test_client_side_rgpu_storages_are_a_clear_error():
     with pytest.raises(NotImplementedError, match="cannot be allocated on the client"):
         torch.UntypedStorage(16, device="rgpu")
+
+
+def test_deep_copies_of_models_optimizers_and_tensors_are_independent_and_equal():
+    # torch deep-copies a plain tensor through its storage, which rgpu does not hold on the
+    # client: BatchNorm buffers (an EMA model), optimizer state and plain tensors used to fail.
+    def run(d):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                    torch.nn.Linear(8, 4)).to(d)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        ema = copy.deepcopy(model)
+        for i in range(3):
+            model(torch.randn(5, 4).to(d)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for e, p in zip(ema.state_dict().values(), model.state_dict().values()):
+                    e.copy_(e * 0.5 + p * 0.5) if e.is_floating_point() else e.copy_(p)
+        saved = copy.deepcopy(opt.state_dict())
+        x = torch.arange(6.0).to(d).requires_grad_()
+        x.grad = torch.ones(6).to(d)
+        y = copy.deepcopy(x)
+        y.data.add_(100)
+        assert y.requires_grad and y.grad is not x.grad
+        tied = torch.nn.Linear(3, 3, bias=False).to(d)
+        pair = copy.deepcopy([tied.weight, tied.weight])
+        assert pair[0] is pair[1]
+        return [*ema.state_dict().values(), saved["state"][0]["exp_avg"], x, y.grad]
+
+    for got, want in zip(run(R), run("cpu")):
+        same(got, want, rtol=1e-5, atol=1e-5)

@@ -155,3 +155,57 @@ def test_conjugate_and_negative_bits_are_kept_as_cpu_keeps_them():
     # CPU refuses view_as_real of a conjugated tensor; rgpu resolves it first.
     same(torch.view_as_real(r.conj()), torch.view_as_real(x.conj().resolve_conj()))
     same(torch.fft.hfft(r), torch.fft.hfft(x), rtol=1e-4, atol=1e-4)
+
+
+def test_inference_mode_gives_the_tensors_cpu_gives():
+    # A view of a normal tensor inside torch.inference_mode is a normal tensor; a view of an
+    # inference tensor outside it is an inference tensor. Views of parameters (F.linear's
+    # weight.t()) used to fail with "Cannot set version_counter for inference tensor".
+    def probe(d):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).to(d).eval()
+        x = torch.randn(2, 5, 16).to(d)
+        w = torch.randn(4, 4).to(d).requires_grad_()
+        values, flags = [], []
+        with torch.inference_mode():
+            y = layer(x)
+            t, v, z = w.t(), x[0], x * 2
+            part, _ = x.split(8, dim=-1)
+            row = x.unbind(0)[1]
+            x2 = x.clone()
+            x2[0].mul_(3)
+            values += [y, x2, part + 1, row * 1]
+            flags += [y.is_inference(), t.is_inference(), t.requires_grad, v.is_inference(),
+                      z.is_inference(), z.view(-1).is_inference(), part.is_inference(),
+                      row.is_inference()]
+        outside = z.view(-1)
+        flags += [outside.is_inference()]
+        values += [outside]
+        try:
+            z.add_(1)
+            flags.append("no error")
+        except RuntimeError as e:
+            flags.append(str(e).split(".")[0])
+        return values, flags
+
+    (got, got_flags), (want, want_flags) = probe(R), probe("cpu")
+    assert got_flags == want_flags
+    for g, w in zip(got, want):
+        same(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_generation_under_inference_mode_matches_cpu():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    from generation import LlamaStyle, generate
+
+    out = []
+    for d in ("cpu", R):
+        torch.manual_seed(0)
+        model = LlamaStyle().eval().to(d)
+        prompt = torch.randint(0, 96, (2, 5)).to(d)
+        with torch.inference_mode():
+            out.append(generate(model, prompt, 8, cache="static").cpu())
+    assert torch.equal(out[0], out[1])

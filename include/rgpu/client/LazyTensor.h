@@ -65,6 +65,9 @@ public:
   ~LazyTensorImpl() override;
 
   ir::TensorMeta meta() const;
+  /// Makes this an inference tensor (no autograd keys, no version counter) or a normal one, as
+  /// a view is when its input is, whether or not torch.inference_mode is on.
+  void setInference(bool inference);
   /// The layout a download of this tensor arrives in: its own if it is dense, else contiguous.
   ir::TensorMeta downloadLayout() const;
 
