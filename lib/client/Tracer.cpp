@@ -187,6 +187,8 @@ struct OpInfo {
       crossesDevices, viewOp;
   /// A view op, or the *_copy op functionalization runs for one.
   bool anyView;
+  /// Draws random numbers (see ir::Node::random).
+  bool random;
   std::vector<ArgInfo> args;
 
   explicit OpInfo(const c10::OperatorHandle &op);
@@ -205,6 +207,7 @@ OpInfo::OpInfo(const c10::OperatorHandle &op) : name(op.operator_name()) {
   const auto &returns = op.schema().returns();
   viewOp = !returns.empty() && returns[0].alias_info() && !returns[0].alias_info()->isWrite();
   anyView = viewOp || bridge::viewOf(name).has_value();
+  random = op.hasTag(at::Tag::nondeterministic_seeded);
   for (const c10::Argument &a : op.schema().arguments()) {
     c10::TypePtr type = a.type();
     ArgInfo info{};
@@ -239,6 +242,7 @@ public:
   Recorder(const c10::OperatorHandle &op, const OpInfo &info)
       : op_(op), info_(info), node_(new TraceNode) {
     node_->node.op = info.symbol;
+    node_->node.random = info.random;
   }
 
   void addArgs(c10::ArrayRef<c10::IValue> args) {

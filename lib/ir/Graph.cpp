@@ -246,6 +246,16 @@ Canonical canonicalize(const Graph &g) {
   std::vector<uint8_t> state(g.nodes.size(), 0); // 0 new, 1 on stack, 2 emitted
   std::vector<uint32_t> order;
   Canonical c;
+  // Each random node's predecessor among random nodes, in the given order: a random node
+  // waits for it as for one more operand. Eager draws in call order; a checkpoint's
+  // recomputation, another graph, must draw the forward's dropout masks in the same order.
+  std::vector<uint32_t> prevRandom;
+  for (uint32_t n = 0, last = kUnset; n < g.nodes.size(); ++n)
+    if (g.nodes[n].random) {
+      prevRandom.resize(g.nodes.size(), kUnset);
+      prevRandom[n] = last;
+      last = n;
+    }
   SmallVector<std::pair<uint32_t, uint32_t>, 64> stack; // (node, next operand)
   auto touch = [&](uint32_t v) {
     if (v < nin) {
@@ -268,6 +278,15 @@ Canonical canonicalize(const Graph &g) {
       const Node &node = g.nodes[n];
       if (next < node.operands.size()) {
         touch(node.operands[next++]);
+        continue;
+      }
+      if (next == node.operands.size() && !prevRandom.empty() && prevRandom[n] != kUnset) {
+        ++next;
+        uint32_t p = prevRandom[n];
+        if (state[p] == 0) {
+          state[p] = 1;
+          stack.push_back({p, 0});
+        }
         continue;
       }
       state[n] = 2;

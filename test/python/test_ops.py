@@ -172,6 +172,23 @@ def test_manual_seed_between_ops_reseeds_where_it_is_called():
     assert torch.equal(x.cpu(), five) and torch.equal(y.cpu(), zero)
 
 
+def test_random_ops_draw_in_the_order_they_were_called():
+    # Two dropouts of one input (LoRA's q and v adapters) consumed in the other order: the
+    # graph's walk from its outputs would draw the second mask first. The test server draws
+    # from a CPU generator, so the values are CPU's.
+    def draws(d):
+        torch.manual_seed(0)
+        x = torch.ones(3, 4, device=d)
+        first, second = F.dropout(x, 0.5), F.dropout(x, 0.5)
+        noise = torch.rand(3, device=d)
+        out = [noise, second * 2, first * 3]
+        del first, second  # what the cut returns is the noise, then what uses each mask
+        return [t.cpu() for t in out]
+
+    for got, want in zip(draws(R), draws("cpu")):
+        assert torch.equal(got, want)
+
+
 def test_rng_state_is_saved_and_restored_where_it_is_called():
     torch.manual_seed(11)
     assert torch.rgpu.initial_seed() == 11

@@ -141,6 +141,10 @@ struct Node {
   llvm::SmallVector<TensorMeta, 1> outputs;
   /// Index into Graph::locations of the user's source line; metadata, not hashed.
   uint32_t loc = 0;
+  /// The op draws random numbers (torch's nondeterministic_seeded tag): canonicalize keeps such
+  /// nodes in the order given. Set by the tracer; not hashed, not sent (the canonical node order
+  /// carries it).
+  bool random = false;
 };
 
 /// A 128-bit graph identity.
@@ -220,7 +224,8 @@ struct Canonical {
 
 /// Puts \p g into canonical form: nodes in post-order of a depth-first walk from the outputs (in
 /// their given order), inputs and scalar slots numbered by first use, and nodes no output needs
-/// removed. Two traces of the same program get the same canonical graph whatever their handle
+/// removed. Random nodes keep their given (trace) order among themselves: each is walked after
+/// the random node before it, as if that were an operand, so draws happen as eager makes them. Two traces of the same program get the same canonical graph whatever their handle
 /// numbers or the order in which their inputs were met. \p g must be well formed (see verify)
 /// and static: the canonical form of a symbolic graph keeps none of its symbols.
 Canonical canonicalize(const Graph &g);

@@ -103,6 +103,35 @@ TEST(Graph, UnusedTemporariesAreRemoved) {
   EXPECT_EQ(c.hash, canonicalize(mulAdd()).hash);
 }
 
+TEST(Graph, RandomNodesKeepTheirTraceOrder) {
+  // Two dropouts of one input, consumed by the outputs in the other order: a walk from the
+  // outputs alone would draw the second mask first, unlike eager (and unlike a recomputation
+  // that consumes them in order).
+  auto m = meta({2});
+  auto dropout = [&](uint32_t x) {
+    Node n;
+    n.op = Symbol::get("aten::native_dropout");
+    n.operands = {x};
+    n.args = {Arg::ref(Arg::Kind::Tensor, 0), Arg::real(0.5), Arg::boolean(true)};
+    n.outputs = {m, meta({2}, dtype::Bool)};
+    n.random = true;
+    return n;
+  };
+  Graph g;
+  g.inputs = {m};
+  g.nodes.push_back(dropout(0));                          // %1 %2
+  g.nodes.push_back(dropout(0));                          // %3 %4
+  g.nodes.push_back(binary("aten::mul.Tensor", 3, 3, m)); // %5 uses the second mask's output
+  g.nodes.push_back(binary("aten::mul.Tensor", 1, 1, m)); // %6 uses the first's
+  g.outputs = {5, 6};
+  Canonical c = canonicalize(g);
+  ASSERT_EQ(c.nodeOrder.size(), 4u);
+  EXPECT_EQ(c.nodeOrder, (std::vector<uint32_t>{0, 1, 2, 3}));
+  // Without the flag, the walk from the outputs puts the second dropout first.
+  g.nodes[0].random = g.nodes[1].random = false;
+  EXPECT_EQ(canonicalize(g).nodeOrder, (std::vector<uint32_t>{1, 2, 0, 3}));
+}
+
 TEST(Graph, CanonicalOrderIsPostOrderFromOutputs) {
   // Two independent chains traced interleaved; canonical form groups each chain.
   auto m = meta({2});
