@@ -312,7 +312,8 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
     case bridge::ArgType::Tensor:
       // A lifted Python number or CPU scalar tensor stands where the schema has a Tensor.
       if (arg->kind == Arg::Kind::Scalar &&
-          graph_.scalars[n.scalars[arg->i]].form != ir::ScalarForm::Scalar) {
+          (graph_.scalars[n.scalars[arg->i]].form == ir::ScalarForm::WrappedNumber ||
+           graph_.scalars[n.scalars[arg->i]].form == ir::ScalarForm::Tensor0d)) {
         step.slots.push_back({Slot::Scalar, n.scalars[arg->i]});
         continue;
       }
@@ -321,7 +322,8 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
       step.slots.push_back({Slot::Tensor, n.operands[arg->i]});
       continue;
     case bridge::ArgType::Number:
-      if (arg->kind != Arg::Kind::Scalar)
+      if (arg->kind != Arg::Kind::Scalar ||
+          graph_.scalars[n.scalars[arg->i]].form == ir::ScalarForm::Generator)
         return mismatch();
       step.slots.push_back({Slot::Scalar, n.scalars[arg->i]});
       continue;
@@ -330,7 +332,8 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
         return mismatch();
       // "rgpu:i" (the client names every device by its index); anything else is rgpu:0.
       uint32_t index = 0;
-      llvm::StringRef text = arg->i < n.strings.size() ? llvm::StringRef(n.strings[arg->i]) : "";
+      llvm::StringRef text =
+          size_t(arg->i) < n.strings.size() ? llvm::StringRef(n.strings[arg->i]) : "";
       if (text.consume_front("rgpu:") && (text.getAsInteger(10, index) || index > 255))
         return where + ": bad device '" + n.strings[arg->i] + "'";
       step.slots.push_back({Slot::Device, index});
@@ -339,7 +342,11 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
       continue;
     }
     case bridge::ArgType::Generator:
-      return where + ": explicit generators are not supported";
+      if (arg->kind != Arg::Kind::Scalar ||
+          graph_.scalars[n.scalars[arg->i]].form != ir::ScalarForm::Generator)
+        return mismatch();
+      step.slots.push_back({Slot::ExplicitGenerator, n.scalars[arg->i]});
+      continue;
     case bridge::ArgType::List: {
       if (arg->kind != Arg::Kind::List)
         return mismatch();
@@ -624,6 +631,16 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
             break;
           }
           case Slot::Generator: stack.push_back(ctx.generators[deviceOf(step.device, stack, ctx)]); break;
+          case Slot::ExplicitGenerator: {
+            const uint64_t id = uint64_t(scalars[slot.a].i);
+            const at::Generator *g = nullptr;
+            if (ctx.explicitGenerators)
+              if (auto it = ctx.explicitGenerators->find(id); it != ctx.explicitGenerators->end())
+                g = &it->second;
+            TORCH_CHECK(g, "rgpu: generator ", id, " does not exist in this session");
+            stack.push_back(*g);
+            break;
+          }
           case Slot::Device: stack.push_back(ctx.devices[slot.a]); break;
           }
         }

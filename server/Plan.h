@@ -24,6 +24,7 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace rgpu::server {
@@ -47,6 +48,9 @@ struct Entry {
 struct RunContext {
   llvm::ArrayRef<at::Device> devices;
   llvm::ArrayRef<at::Generator> generators;
+  /// The session's torch.Generator(device="rgpu") objects, by id, for explicit generator=
+  /// arguments (a scalar slot of form Generator holds the id); null: none.
+  const std::unordered_map<uint64_t, at::Generator> *explicitGenerators = nullptr;
 };
 
 /// The sizes of one run of a symbolic plan (Plan::resolve): every value's layout, and the
@@ -106,7 +110,12 @@ public:
 private:
   /// How to produce one stack slot.
   struct Slot {
-    enum Kind : uint8_t { Const, Tensor, TensorList, OptTensorList, Scalar, ScalarList, Generator, Device };
+    enum Kind : uint8_t {
+      Const, Tensor, TensorList, OptTensorList, Scalar, ScalarList,
+      Generator,         ///< The session's generator of the step's device.
+      ExplicitGenerator, ///< The session's explicit generator whose id scalar slot a holds.
+      Device
+    };
     Kind kind;
     uint32_t a = 0, b = 0; // Const: index; Tensor: value id; lists: [a, a+b) in listItems_;
                            // Device: the rgpu device index

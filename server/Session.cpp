@@ -261,6 +261,14 @@ Session::~Session() {
     ctx_.deactivate(id_);
 }
 
+at::Generator &Session::generator(uint64_t id) {
+  auto it = explicitGenerators_.find(id);
+  if (it == explicitGenerators_.end())
+    throw std::runtime_error("rgpu: generator " + std::to_string(id) +
+                             " does not exist in this session (made before rgpu.reset()?)");
+  return it->second;
+}
+
 void Session::fail(ErrorPtr error) {
   if (device::afterError(ctx_.device(), error->message)) {
     ctx_.loseDevice(error->message);
@@ -281,12 +289,14 @@ ErrorPtr sessionError(std::string message) {
   return std::make_shared<RemoteError>(RemoteError{"", std::move(message), ""});
 }
 
-/// One entry of ServerFrame.results, gathered before the reply is built.
 /// The longest a JoinGroup waits for the group's other servers (its worker waits with it).
 constexpr uint32_t kGroupTimeoutMs = 30 * 60 * 1000;
 /// A generator state a client may send (a CPU generator's is 5056 bytes, CUDA's 16).
 constexpr size_t kMaxRngStateBytes = 64 * 1024;
+/// The most torch.Generator(device="rgpu") objects a session may hold at once.
+constexpr size_t kMaxGenerators = 4096;
 
+/// One entry of ServerFrame.results, gathered before the reply is built.
 struct ResultItem {
   wire::Result::Which kind;
   kj::Array<kj::byte> data;
@@ -456,7 +466,8 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         // The result comes first: a state the generator refuses still gets its (empty) answer,
         // and the error says why.
         results.push_back({wire::Result::RNG_STATE, nullptr, {}});
-        at::Generator &g = generators_[r.getDevice()];
+        at::Generator &g = r.getGenerator() ? generator(r.getGenerator())
+                                            : generators_[r.getDevice()];
         std::lock_guard<std::mutex> lock(g.mutex());
         if (r.getSet()) {
           auto bytes = r.getState();
@@ -467,6 +478,45 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         at::Tensor state = g.get_state().contiguous();
         results.back().data = kj::heapArray<kj::byte>(state.const_data_ptr<uint8_t>(), state.numel());
         results.back().seed = g.current_seed();
+        break;
+      }
+      case wire::Command::GENERATOR: {
+        auto r = cmd.getGenerator();
+        if (r.getDevice() >= generators_.size() || r.getId() == 0) {
+          fatal = r.getId() == 0 ? std::string("a generator request for generator 0")
+                                 : "a generator request for rgpu:" + std::to_string(r.getDevice()) +
+                                       " of a server with " + std::to_string(generators_.size()) +
+                                       " devices";
+          break;
+        }
+        switch (r.which()) {
+        case wire::GeneratorRequest::CREATE:
+        case wire::GeneratorRequest::CLONE_OF: {
+          if (explicitGenerators_.size() >= kMaxGenerators)
+            throw std::runtime_error("rgpu: this session holds " + std::to_string(kMaxGenerators) +
+                                     " generators, the most a session may; drop some "
+                                     "(del generator) first");
+          at::Generator g;
+          if (r.which() == wire::GeneratorRequest::CREATE) {
+            g = at::globalContext().defaultGenerator(ctx_.devices()[r.getDevice()]).clone();
+            std::lock_guard<std::mutex> lock(g.mutex());
+            g.set_current_seed(r.getCreate());
+          } else {
+            at::Generator &from = generator(r.getCloneOf());
+            std::lock_guard<std::mutex> lock(from.mutex());
+            g = from.clone();
+          }
+          explicitGenerators_[r.getId()] = std::move(g);
+          break;
+        }
+        case wire::GeneratorRequest::SEED: {
+          at::Generator &g = generator(r.getId());
+          std::lock_guard<std::mutex> lock(g.mutex());
+          g.set_current_seed(r.getSeed());
+          break;
+        }
+        case wire::GeneratorRequest::DROP: explicitGenerators_.erase(r.getId()); break;
+        }
         break;
       }
       case wire::Command::HOST_STORE:
@@ -972,7 +1022,7 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     }
   }
   if (!ran)
-    if (ErrorPtr e = plan->run(inputs, scalars, {ctx_.devices(), generators_}, outputs,
+    if (ErrorPtr e = plan->run(inputs, scalars, {ctx_.devices(), generators_, &explicitGenerators_}, outputs,
                                !r.getReplyMetas(), sized))
       fail(e);
   uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(

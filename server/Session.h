@@ -226,6 +226,10 @@ private:
   /// The session's random state for each of ctx_.devices(); devices that are the same device
   /// share one generator.
   std::vector<at::Generator> generators_;
+  /// torch.Generator(device="rgpu") objects, by the client's ids (GeneratorRequest).
+  std::unordered_map<uint64_t, at::Generator> explicitGenerators_;
+  /// The explicit generator \p id; throws if the session has none of that id.
+  at::Generator &generator(uint64_t id);
   /// Keyed by the client's handles: any 64-bit value, so not an llvm::DenseMap, which reserves
   /// two keys (session_fuzz found a Run binding ~0 corrupt it).
   std::unordered_map<uint64_t, Entry> tensors_;

@@ -61,6 +61,9 @@ struct Session::Command {
   uint8_t device = 0;                          ///< An Upload's or a MemoryRequest's.
   std::string store, prefix;                  ///< A JoinGroup's (rank: handle, size: count).
   std::optional<std::string> rngState;        ///< A RngStateRequest's state to set.
+  uint64_t generator = 0;                     ///< A RngStateRequest's or GeneratorRequest's.
+  wire::GeneratorRequest::Which generatorOp = wire::GeneratorRequest::CREATE;
+  uint64_t generatorArg = 0; ///< The seed (CREATE, SEED) or the generator cloned (CLONE_OF).
   ir::TensorMeta meta;
   at::Tensor data; ///< A private CPU copy of an upload's bytes.
   uint64_t offset = 0, length = 0;
@@ -482,8 +485,10 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
   }
   nodesSinceCut_ = 0;
   CutOutputs placed;
-  if (outs.empty())
+  if (outs.empty()) {
+    queueGeneratorDrops();
     return placed;
+  }
   std::sort(outs.begin(), outs.end(), [](const Out &a, const Out &b) {
     return a.node->seq != b.node->seq ? a.node->seq < b.node->seq : a.index < b.index;
   });
@@ -550,6 +555,7 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
       queueValue(data, outs[k].impls.front()->downloadLayout());
     }
   }
+  queueGeneratorDrops(); // after the run, which may use them
   return placed;
 }
 
@@ -846,12 +852,13 @@ Session::DeviceMemory Session::deviceMemory(int device, bool resetPeak, bool emp
   return reply.memory.back();
 }
 
-Session::RngState Session::rngState(int device) {
+Session::RngState Session::rngState(int device, uint64_t generator) {
   Lock lock(*this);
   cut("torch.rgpu.get_rng_state");
   Command c;
   c.kind = wire::Command::RNG_STATE;
   c.device = uint8_t(device);
+  c.generator = generator;
   queue(std::move(c));
   Reply reply = flush(true);
   if (reply.rngStates.empty())
@@ -859,14 +866,60 @@ Session::RngState Session::rngState(int device) {
   return reply.rngStates.back();
 }
 
-void Session::setRngState(int device, std::string state) {
+void Session::setRngState(int device, std::string state, uint64_t generator) {
   Lock lock(*this);
   cut("torch.rgpu.set_rng_state");
   Command c;
   c.kind = wire::Command::RNG_STATE;
   c.device = uint8_t(device);
   c.rngState = std::move(state);
+  c.generator = generator;
   queue(std::move(c));
+}
+
+uint64_t Session::newGenerator(int device, uint64_t seed, uint64_t cloneOf) {
+  Lock lock(*this);
+  if (cloneOf)
+    cut("Generator.clone_state"); // the state the generator is in after the ops traced so far
+  Command c;
+  c.kind = wire::Command::GENERATOR;
+  c.device = uint8_t(device);
+  c.generator = nextGenerator_++;
+  c.generatorOp = cloneOf ? wire::GeneratorRequest::CLONE_OF : wire::GeneratorRequest::CREATE;
+  c.generatorArg = cloneOf ? cloneOf : seed;
+  const uint64_t id = c.generator;
+  queue(std::move(c));
+  return id;
+}
+
+void Session::seedGenerator(int device, uint64_t id, uint64_t seed) {
+  Lock lock(*this);
+  cut("Generator.manual_seed");
+  Command c;
+  c.kind = wire::Command::GENERATOR;
+  c.device = uint8_t(device);
+  c.generator = id;
+  c.generatorOp = wire::GeneratorRequest::SEED;
+  c.generatorArg = seed;
+  queue(std::move(c));
+}
+
+void Session::dropGenerator(uint64_t id) noexcept {
+  Lock lock(*this);
+  droppedGenerators_.push_back(id);
+}
+
+void Session::queueGeneratorDrops() noexcept {
+  if (lost())
+    droppedGenerators_.clear();
+  for (uint64_t id : droppedGenerators_) {
+    Command c;
+    c.kind = wire::Command::GENERATOR;
+    c.generator = id;
+    c.generatorOp = wire::GeneratorRequest::DROP;
+    queue_.push_back(std::move(c));
+  }
+  droppedGenerators_.clear();
 }
 
 std::string Session::askText(Command c, const char *reason) {
@@ -993,9 +1046,22 @@ Session::Reply Session::flush(bool wantReply) {
       break;
     }
     case wire::Command::SYNC: cb.setSync(); break;
+    case wire::Command::GENERATOR: {
+      auto r = cb.initGenerator();
+      r.setId(c.generator);
+      r.setDevice(c.device);
+      switch (c.generatorOp) {
+      case wire::GeneratorRequest::CREATE: r.setCreate(c.generatorArg); break;
+      case wire::GeneratorRequest::CLONE_OF: r.setCloneOf(c.generatorArg); break;
+      case wire::GeneratorRequest::SEED: r.setSeed(c.generatorArg); break;
+      case wire::GeneratorRequest::DROP: r.setDrop(); break;
+      }
+      break;
+    }
     case wire::Command::RNG_STATE: {
       auto r = cb.initRngState();
       r.setDevice(c.device);
+      r.setGenerator(c.generator);
       if (c.rngState) {
         r.setSet(true);
         r.setState(kj::arrayPtr(reinterpret_cast<const kj::byte *>(c.rngState->data()),

@@ -9,6 +9,7 @@
 // and the server, and the ops whose output shape depends on data.
 //
 //===----------------------------------------------------------------------===//
+#include "rgpu/client/Generator.h"
 #include "rgpu/client/LazyTensor.h"
 #include "rgpu/client/MetaKernels.h"
 #include "rgpu/client/Session.h"
@@ -447,9 +448,23 @@ private:
       meta_.emplace_back(c10::Device(at::kMeta));
       return;
     }
-    case bridge::ArgType::Generator:
-      TORCH_CHECK_TYPE(false, "rgpu: ", fullName(op_), " was given an explicit generator=; rgpu "
-                       "tensors draw from the server's generator, seeded by torch.manual_seed");
+    case bridge::ArgType::Generator: {
+      // The generator's id rides in a scalar slot: one graph serves every generator.
+      at::Generator g = v.toGenerator();
+      auto *rg = dynamic_cast<RgpuGenerator *>(g.unsafeGetGeneratorImpl());
+      TORCH_CHECK_TYPE(rg, "rgpu: ", fullName(op_), " was given a generator of device ",
+                       g.device(), "; ops on rgpu tensors draw from an rgpu generator "
+                       "(torch.Generator(device=\"rgpu\")), or without generator= from the "
+                       "session's, seeded by torch.manual_seed");
+      ir::ScalarValue id;
+      id.kind = ir::ScalarValue::Kind::Int;
+      id.i = int64_t(rg->id());
+      node_->node.args.push_back(Arg::ref(Arg::Kind::Scalar, node_->scalarSlots.size()));
+      node_->scalarSlots.push_back({ir::dtype::Long, ir::ScalarForm::Generator});
+      node_->scalarValues.push_back(id);
+      meta_.emplace_back(); // the meta kernel draws nothing
+      return;
+    }
     case bridge::ArgType::List:
       addList(v, info, sa);
       return;
@@ -1113,11 +1128,10 @@ struct Hooks final : at::PrivateUse1HooksInterface {
     static at::Generator generator = at::make_generator<at::CPUGeneratorImpl>();
     return generator;
   }
-  at::Generator getNewGenerator(c10::DeviceIndex) const override {
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        false, "rgpu: torch.Generator(device=\"rgpu\") is not supported: random ops on rgpu "
-        "draw from the session's generator on the server. Seed it with torch.manual_seed; save "
-        "and restore it with torch.rgpu.get_rng_state and set_rng_state");
+  /// torch.Generator(device="rgpu"): seeded as CPU's and CUDA's new generators are.
+  at::Generator getNewGenerator(c10::DeviceIndex device) const override {
+    return at::make_generator<RgpuGenerator>(device < 0 ? tlsDevice : device,
+                                             c10::default_rng_seed_val);
   }
   at::Device getDeviceFromPtr(void *) const override { return {c10::DeviceType::PrivateUse1, tlsDevice}; }
   bool isPinnedPtr(const void *) const override { return false; }

@@ -526,7 +526,8 @@ std::string verifyStructure(const Graph &g) {
     if (v >= defined)
       return "output %" + std::to_string(v) + " is not defined";
   for (const ScalarSlot &s : g.scalars)
-    if (!dtype::isValid(s.dtype) || uint8_t(s.form) > uint8_t(ScalarForm::Tensor0d))
+    if (!dtype::isValid(s.dtype) || uint8_t(s.form) > uint8_t(ScalarForm::Generator) ||
+        (s.form == ScalarForm::Generator && s.dtype != dtype::Long))
       return "invalid scalar slot";
   if (g.symbolic.empty() != (g.symbolCount == 0) || g.symbolCount > kMaxSymbols)
     return "invalid symbol count " + std::to_string(g.symbolCount);
@@ -778,8 +779,12 @@ void printText(const Graph &g, raw_ostream &os) {
   for (size_t i = 0; i < g.inputs.size(); ++i)
     os << "%" << i << " = input " << i << " : " << texts.meta(i) << "\n";
   for (size_t s = 0; s < g.scalars.size(); ++s)
-    os << "$" << s << " = scalar " << dtype::name(g.scalars[s].dtype)
-       << (g.scalars[s].form == ScalarForm::Scalar ? "" : " tensor") << "\n";
+    os << "$" << s << " = "
+       << (g.scalars[s].form == ScalarForm::Generator
+               ? std::string("generator")
+               : "scalar " + std::string(dtype::name(g.scalars[s].dtype)) +
+                     (g.scalars[s].form == ScalarForm::Scalar ? "" : " tensor"))
+       << "\n";
   uint32_t v = g.inputs.size();
   for (size_t k = 0; k < g.nodes.size(); ++k) {
     const Node &n = g.nodes[k];

@@ -43,7 +43,9 @@ struct Node {
 
 struct ScalarSlot {
   dtype @0 :Int8;
-  form @1 :UInt8;         # 0 Scalar, 1 wrapped-number tensor, 2 0-dim tensor
+  form @1 :UInt8;         # 0 Scalar, 1 wrapped-number tensor, 2 0-dim tensor, 3 generator
+                          # (int64: the id of a GeneratorRequest's generator, for a Generator?
+                          # argument)
 }
 
 # An integer of a symbolic graph: coef * (product of the symbols named) + offset.
@@ -157,6 +159,21 @@ struct Command {
                           # server of the job does); answered with its "host:port" (text)
     joinGroup @14 :JoinGroup; # answered with the group's name for this session's graphs (text)
     rngState @15 :RngStateRequest; # answered with the generator's state (rngState)
+    generator @16 :GeneratorRequest; # makes, seeds or drops a generator of this session
+  }
+}
+
+# torch.Generator(device="rgpu"): a generator of this session that random ops given it as
+# generator= draw from (a scalar slot of form 3 carries its id in each Run, so one graph serves
+# every generator). At most 4096 per session.
+struct GeneratorRequest {
+  id @0 :UInt64;         # the client's name for it, not 0
+  device @1 :UInt8;      # rgpu:device, an index into HelloReply.devices
+  union {
+    create @2 :UInt64;   # a new generator of the device, seeded with this
+    cloneOf @3 :UInt64;  # a new generator in the state generator cloneOf is in
+    seed @4 :UInt64;     # manual_seed
+    drop @5 :Void;       # the client's Generator is gone
   }
 }
 
@@ -167,6 +184,7 @@ struct RngStateRequest {
   device @0 :UInt8;      # rgpu:device, an index into HelloReply.devices
   set @1 :Bool;          # first set the state to `state` (as Generator.set_state checks it)
   state @2 :Data;        # a state that get_rng_state gave, at most 64 KiB
+  generator @3 :UInt64;  # 0: the session's generator of the device; else a GeneratorRequest's
 }
 
 struct RngState {

@@ -218,10 +218,50 @@ def test_a_bad_rng_state_is_a_remote_error_and_the_session_goes_on():
         torch.randn(3, device=R).cpu()
     with pytest.raises(TypeError, match="ByteTensor"):
         torch.rgpu.set_rng_state(torch.zeros(7))
-    with pytest.raises(NotImplementedError, match="manual_seed"):
-        torch.Generator(device=R)
     torch.manual_seed(1)
     assert torch.equal(torch.randn(3, device=R).cpu(), expected)
+
+
+def test_rgpu_generators_draw_as_cpu_generators_do():
+    # torch.Generator(device="rgpu") is a generator of the session on the server (a CPU one on
+    # the test server, so the draws are CPU's); seeding, states and clones act where called.
+    def draws(d):
+        g = torch.Generator(device=d)
+        assert g.initial_seed() == torch.Generator().initial_seed()
+        first = torch.randn(3, generator=g, device=d)
+        g.manual_seed(42)
+        out = [first, torch.randn(4, generator=g, device=d), torch.rand(3, generator=g, device=d),
+               torch.empty(5, device=d).normal_(generator=g),
+               torch.empty(5, device=d).uniform_(-1, 1, generator=g),
+               torch.randperm(6, generator=g, device=d),
+               torch.multinomial(torch.ones(5, device=d), 3, generator=g),
+               torch.bernoulli(torch.full((6,), 0.5, device=d), generator=g)]
+        state = g.get_state()
+        out.append(torch.randn(3, generator=g, device=d))
+        g.set_state(state)
+        out.append(torch.randn(3, generator=g, device=d))
+        twin = g.clone_state()
+        out += [torch.randn(2, generator=g, device=d), torch.randn(2, generator=twin, device=d)]
+        other = torch.Generator(device=d).manual_seed(42)  # independent of g and of the default
+        torch.manual_seed(0)
+        out += [torch.randn(4, generator=other, device=d), torch.randn(2, device=d)]
+        assert g.initial_seed() == 42 and state.dtype == torch.uint8
+        return [t.cpu() for t in out]
+
+    for got, want in zip(draws(R), draws("cpu")):
+        assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="generator of device cpu"):
+        torch.randn(2, generator=torch.Generator(), device=R)
+
+
+def test_many_rgpu_generators_come_and_go():
+    # Each Generator object holds a generator on the server until it is collected; a loop
+    # that makes one per call (diffusers' pipelines do) stays under the session's 4096.
+    for i in range(5000):
+        x = torch.randn(1, generator=torch.Generator(device=R).manual_seed(i), device=R)
+        if i % 1000 == 999:
+            x.cpu()
+    assert torch.equal(x.cpu(), torch.randn(1, generator=torch.Generator().manual_seed(4999)))
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -185,11 +185,19 @@ public:
     std::string state;
     uint64_t initialSeed = 0;
   };
-  RngState rngState(int device);
+  RngState rngState(int device, uint64_t generator = 0);
   /// Sets that state at this point of the trace: ops traced before draw from the old state,
   /// ops traced after from \p state. Sent with the next frame; a state the server refuses is
   /// a RemoteError at the next sync.
-  void setRngState(int device, std::string state);
+  void setRngState(int device, std::string state, uint64_t generator = 0);
+  /// torch.Generator(device="rgpu") objects: each is a generator of this session on the server,
+  /// named by an id the client picks. newGenerator makes one seeded with \p seed, or in the
+  /// state \p cloneOf is in at this point of the trace; seedGenerator reseeds one there.
+  uint64_t newGenerator(int device, uint64_t seed, uint64_t cloneOf = 0);
+  void seedGenerator(int device, uint64_t id, uint64_t seed);
+  /// The generator is gone: the server drops it after the runs that may still use it (the
+  /// next cut's). Never throws.
+  void dropGenerator(uint64_t id) noexcept;
   /// Waits until the server has executed everything sent so far.
   void synchronize();
   uint64_t liveTensors() const { return live_; }
@@ -361,6 +369,11 @@ private:
   uint64_t live_ = 0;
   LazyTensorImpl *head_ = nullptr;
   std::vector<Command> queue_;
+  uint64_t nextGenerator_ = 1;
+  /// Generators dropped since the last cut (dropGenerator).
+  std::vector<uint64_t> droppedGenerators_;
+  /// Queues the drops of droppedGenerators_ (after a cut's run). Never throws.
+  void queueGeneratorDrops() noexcept;
   /// The members of the download group not fetched yet, and what its reads brought in (keyed
   /// by the device data they were read from, kept alive so the key stays unique).
   struct Fetched {

@@ -110,7 +110,9 @@ struct Arg {
 
 /// How a lifted scalar is handed to the kernel. Wrapped numbers are the 0-dim CPU tensors that
 /// PyTorch makes from Python numbers in `x * 2.0`; they promote like Python scalars.
-enum class ScalarForm : uint8_t { Scalar = 0, WrappedNumber = 1, Tensor0d = 2 };
+/// How a scalar slot's value reaches its op: a Python number, a wrapped-number or 0-dim CPU
+/// tensor, or (an int64) the id of the generator a Generator? argument names.
+enum class ScalarForm : uint8_t { Scalar = 0, WrappedNumber = 1, Tensor0d = 2, Generator = 3 };
 
 /// The type of one scalar input of a graph. Its value travels in each Run.
 struct ScalarSlot {

@@ -586,6 +586,71 @@ TEST(Faults, DevicesThisServerDoesNotHaveAreRefused) {
   expectGoodSessionUnaffected();
 }
 
+TEST(Faults, GeneratorRequestsAreBoundedAndTheirErrorsKeepTheSession) {
+  Beside beside;
+  {
+    // More generators than a session may hold, in one frame: an error, and the session goes on.
+    Peer bad;
+    bad.hello();
+    auto reply = bad.send(true, 4097, [&](auto cmds) {
+      for (uint32_t k = 0; k < 4097; ++k) {
+        auto g = cmds[k].initGenerator();
+        g.setId(k + 1);
+        g.setCreate(k);
+      }
+    });
+    ASSERT_TRUE(reply);
+    EXPECT_NE(Peer::errorOf(*reply).find("4096 generators"), std::string::npos)
+        << Peer::errorOf(*reply);
+    EXPECT_EQ(bad.squareOnServer(), (std::vector<float>{1, 4, 9}));
+    // Seeding or reading a generator the session does not have; setting a state of the wrong
+    // size: each an error of its own, the session goes on.
+    reply = bad.send(true, 1, [&](auto cmds) {
+      auto g = cmds[0].initGenerator();
+      g.setId(999999);
+      g.setSeed(1);
+    });
+    ASSERT_TRUE(reply);
+    EXPECT_NE(Peer::errorOf(*reply).find("generator 999999 does not exist"), std::string::npos)
+        << Peer::errorOf(*reply);
+    const kj::byte seven[7] = {};
+    reply = bad.send(true, 1, [&](auto cmds) {
+      auto r = cmds[0].initRngState();
+      r.setGenerator(5);
+      r.setSet(true);
+      r.setState(kj::arrayPtr(seven, 7));
+    });
+    ASSERT_TRUE(reply);
+    EXPECT_NE(Peer::errorOf(*reply).find("size"), std::string::npos) << Peer::errorOf(*reply);
+    EXPECT_EQ(bad.squareOnServer(), (std::vector<float>{1, 4, 9}));
+  }
+  // Malformed requests close the connection: generator 0, a device the server lacks, a state
+  // past 64 KiB.
+  std::vector<std::function<void(wire::Command::Builder)>> malformed = {
+      [](wire::Command::Builder c) { c.initGenerator().setCreate(1); },
+      [](wire::Command::Builder c) {
+        auto g = c.initGenerator();
+        g.setId(1);
+        g.setDevice(9);
+        g.setCreate(1);
+      },
+      [](wire::Command::Builder c) { c.initRngState().setDevice(9); },
+      [](wire::Command::Builder c) {
+        auto r = c.initRngState();
+        r.setSet(true);
+        r.initState(65 * 1024);
+      },
+  };
+  for (auto &fill : malformed) {
+    Peer bad;
+    bad.hello();
+    bad.send(true, 1, [&](auto cmds) { fill(cmds[0]); });
+    EXPECT_TRUE(bad.closedByServer());
+  }
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
 TEST(Faults, ARunOfAnUnknownGraphPoisonsABoundedNumberOfOutputs) {
   double before = serverRssMiB();
   Beside beside;
