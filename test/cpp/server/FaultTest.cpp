@@ -204,7 +204,7 @@ public:
     uint64_t in = next_++, out = next_++;
     ir::Graph g = square();
     ir::Hash128 hash = ir::hashGraph(g);
-    auto reply = send(true, 4, [&](auto cmds) {
+    auto reply = send(true, 5, [&](auto cmds) {
       float data[3] = {1, 2, 3};
       auto up = cmds[0].initUpload();
       up.setHandle(in);
@@ -222,6 +222,10 @@ public:
       auto down = cmds[3].initDownload();
       down.setHandle(out);
       wire::encodeMeta(vec3(), down.initMeta());
+      // Released, so that a client looping on this holds constant memory on the server.
+      auto release = cmds[4].initRelease(2);
+      release.set(0, in);
+      release.set(1, out);
     });
     return reply ? vec3Of(*reply) : std::vector<float>();
   }
