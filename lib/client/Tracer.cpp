@@ -22,6 +22,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -1086,7 +1087,7 @@ void toCopyStaysFunctional(const c10::OperatorHandle &op, c10::DispatchKeySet ke
 thread_local c10::DeviceIndex tlsDevice = 0;
 
 /// rgpu's devices are the server's (--devices); the current one is per thread, as CUDA's is.
-/// There are no streams: one per device, in order.
+/// There are no streams: one per device, in order; every stream asked for is that one.
 struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
   c10::Device exchangeDevice(c10::Device d) const override {
@@ -1103,14 +1104,36 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::Stream getStream(c10::Device d) const noexcept override {
     return c10::Stream(c10::Stream::DEFAULT, d);
   }
+  // Every stream is the device's one stream: work runs in trace order, which is at least as
+  // ordered as any streams a program asks for.
+  c10::Stream getDefaultStream(c10::Device d) const override { return getStream(d); }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getStream(d); }
+  c10::Stream getNewStream(c10::Device d, int) const override { return getStream(d); }
   c10::Stream exchangeStream(c10::Stream s) const noexcept override { return s; }
+  bool queryStream(const c10::Stream &) const override {
+    Session::get().synchronize();
+    return true;
+  }
+  void synchronizeStream(const c10::Stream &) const override { Session::get().synchronize(); }
   c10::DeviceIndex deviceCount() const noexcept override {
     return c10::DeviceIndex(Session::get().deviceCount());
   }
+  // An event marks a point of the trace; waiting for it waits for everything traced so far
+  // (a superset of what came before it). There is no device clock to time it by.
   void record(void **, const c10::Stream &, const c10::DeviceIndex,
               const c10::EventFlag) const override {}
   void block(void *, const c10::Stream &) const override {}
-  bool queryEvent(void *) const override { return true; }
+  bool queryEvent(void *) const override {
+    Session::get().synchronize();
+    return true;
+  }
+  void synchronizeEvent(void *) const override { Session::get().synchronize(); }
+  double elapsedTime(void *, void *, const c10::DeviceIndex) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false, "rgpu: Event.elapsed_time is not supported (rgpu has no device clock); time "
+        "with time.perf_counter() around torch.rgpu.synchronize(), or read the server's "
+        "execute_ms in rgpu.server_stats()[\"session\"]");
+  }
   void destroyEvent(void *, const c10::DeviceIndex) const noexcept override {}
   void synchronizeDevice(const c10::DeviceIndex) const override { Session::get().synchronize(); }
 };
@@ -1146,7 +1169,9 @@ const bool hooksRegistered = [] {
 /// rgpu's bytes live on the server: nothing allocates them here. Code that asks for the
 /// device's allocator (`torch.UntypedStorage(n, device="rgpu")`) gets a clear error, not a
 /// null allocator.
-struct NoAllocator final : c10::Allocator {
+/// It is also rgpu's DeviceAllocator for torch.accelerator's memory functions, which the
+/// server answers (Session::deviceMemory, one round trip each), as torch.rgpu's do.
+struct NoAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t n) override {
     TORCH_CHECK_NOT_IMPLEMENTED(n == 0, "rgpu: a storage of ", n, " bytes cannot be allocated on "
                                 "the client; rgpu tensors are made by ops (torch.empty(..., "
@@ -1158,6 +1183,32 @@ struct NoAllocator final : c10::Allocator {
     TORCH_CHECK_NOT_IMPLEMENTED(count == 0, "rgpu: bytes on the server cannot be copied here");
   }
   static void deleteNothing(void *) {}
+
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {
+    for (int d = 0, n = Session::get().deviceCount(); d < n; ++d)
+      Session::get().deviceMemory(d, false, true);
+  }
+  void recordStream(const c10::DataPtr &, c10::Stream) override {}
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    Session::DeviceMemory m = Session::get().deviceMemory(device < 0 ? tlsDevice : device);
+    c10::CachingDeviceAllocator::DeviceStats stats;
+    auto &allocated = stats.allocated_bytes[size_t(c10::CachingAllocator::StatType::AGGREGATE)];
+    allocated.current = int64_t(m.allocated);
+    allocated.peak = int64_t(m.allocatedPeak);
+    auto &reserved = stats.reserved_bytes[size_t(c10::CachingAllocator::StatType::AGGREGATE)];
+    reserved.current = int64_t(m.reserved);
+    reserved.peak = int64_t(m.reservedPeak);
+    return stats;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex) override {}
+  void resetPeakStats(c10::DeviceIndex device) override {
+    Session::get().deviceMemory(device < 0 ? tlsDevice : device, true);
+  }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    Session::DeviceMemory m = Session::get().deviceMemory(device < 0 ? tlsDevice : device);
+    return {size_t(m.free), size_t(m.total)};
+  }
 };
 NoAllocator noAllocator;
 const bool allocatorRegistered = [] {

@@ -140,6 +140,49 @@ def set_rng_state_all(new_states) -> None:
         set_rng_state(state, i)
 
 
+# Streams and events. An rgpu device has one stream, which runs work in the order it was traced:
+# every stream is that stream (as ordered as any program's streams need), waiting on a stream
+# or event waits for everything traced so far, and an event has no device clock to time.
+
+
+def Stream(device=None, priority=0) -> torch.Stream:
+    """A stream of ``device``: its one stream."""
+    return torch.Stream(torch.device("rgpu", _index(device)), priority=priority)
+
+
+def current_stream(device=None) -> torch.Stream:
+    return Stream(device)
+
+
+default_stream = current_stream
+
+
+class stream:
+    """``with torch.rgpu.stream(s):`` as ``torch.cuda.stream``; work stays in trace order."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        return self.stream
+
+    def __exit__(self, *exc):
+        return False
+
+
+def Event(enable_timing=False, blocking=False, interprocess=False) -> torch.Event:
+    """An event of the current device; ``elapsed_time`` raises (no device clock)."""
+    return torch.Event(torch.device("rgpu", current_device()), enable_timing=enable_timing,
+                       blocking=blocking, interprocess=interprocess)
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """Whether the server's device computes in bfloat16: a CPU server does, CUDA from compute
+    capability 8.0 (or with emulation, as ``torch.cuda.is_bf16_supported``)."""
+    m = _memory(None)
+    return m["device"].startswith("cpu") or m["major"] >= 8 or including_emulation
+
+
 def get_amp_supported_dtype():
     return [torch.float16, torch.bfloat16]
 

@@ -49,6 +49,41 @@ def test_device_properties_and_info():
         torch.rgpu.memory_allocated(1)
 
 
+def test_torch_accelerator_memory_functions_are_the_servers():
+    # Device-agnostic code asks torch.accelerator, which asks the device's DeviceAllocator.
+    mem = torch.accelerator.memory
+    x = torch.ones(1024, 1024, device="rgpu")
+    assert mem.memory_allocated() == torch.rgpu.memory_allocated() >= 4 << 20
+    assert mem.max_memory_allocated() >= mem.memory_allocated()
+    assert mem.memory_reserved() >= mem.memory_allocated()
+    mem.reset_peak_memory_stats()
+    assert mem.max_memory_allocated() == mem.memory_allocated()
+    mem.empty_cache()
+    del x
+
+
+def test_streams_and_events_order_work_as_the_one_stream_does():
+    # A CUDA prefetcher's pattern: each rgpu stream is the device's one stream, which runs work
+    # in trace order; waiting on a stream or event waits for what was traced.
+    side = torch.rgpu.Stream()
+    x = torch.randn(4, 4)
+    with torch.rgpu.stream(side):
+        y = x.to("rgpu", non_blocking=True) * 2
+    torch.rgpu.current_stream().wait_stream(side)
+    event = torch.rgpu.Event()
+    event.record()
+    event.synchronize()
+    assert event.query() and side.query()
+    side.synchronize()
+    assert torch.equal(y.cpu(), x * 2)
+    assert torch.rgpu.is_bf16_supported()
+    start, end = torch.rgpu.Event(enable_timing=True), torch.rgpu.Event(enable_timing=True)
+    start.record()
+    end.record()
+    with pytest.raises(NotImplementedError, match="no device clock"):
+        start.elapsed_time(end)
+
+
 def test_a_memory_limit_is_the_total_and_counts_every_session():
     s = Server("--memory-limit", "256MiB")
     try:
