@@ -1,6 +1,6 @@
 """Records the seed corpora of the fuzz targets from real client traffic.
 
-    .venv/bin/python test/fuzz/record_corpus.py
+    .venv/bin/python test/fuzz/record_corpus.py [WORKLOAD ...]
 
 Starts an rgpu-opserver, puts a recording relay in front of it and runs small real workloads
 (training, views, dtypes, data-dependent ops, errors) through it. What each client sent is
@@ -81,6 +81,15 @@ print(torch.rgpu.memory_allocated(), torch.rgpu.max_memory_allocated(), torch.rg
 torch.rgpu.empty_cache()
 print(torch.rgpu.get_device_properties(), (x * 2).sum().item())
 """,
+    "random": """
+g = torch.Generator(device=d).manual_seed(3)
+a = torch.randn(4, generator=g, device=d); torch.manual_seed(5); b = torch.rand(4, device=d)
+state = torch.rgpu.get_rng_state(); c = torch.nn.functional.dropout(a, 0.5)
+torch.rgpu.set_rng_state(state); gs = g.get_state(); g2 = g.clone_state(); g.set_state(gs)
+print((a + b + c).cpu(), torch.randperm(5, generator=g2, device=d).cpu(), g.initial_seed())
+del g2
+print(torch.empty(3, device=d).normal_(generator=g).cpu())
+""",
 }
 
 
@@ -144,7 +153,8 @@ def main():
     os.makedirs(os.path.join(HERE, "corpus", "frame"), exist_ok=True)
     env = dict(os.environ, RGPU_OPSERVER=f"127.0.0.1:{ready[0]}", RGPU_CACHE_DIR="off")
     try:
-        for name, body in WORKLOADS.items():
+        for name in sys.argv[1:] or WORKLOADS:
+            body = WORKLOADS[name]
             before = len(record)
             code = "import torch, rgpu\nd = 'rgpu'\ntorch.manual_seed(0)\n" + body
             r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
