@@ -491,8 +491,9 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         }
         switch (r.which()) {
         case wire::GeneratorRequest::CREATE:
-        case wire::GeneratorRequest::CLONE_OF: {
-          if (explicitGenerators_.size() >= kMaxGenerators)
+        case wire::GeneratorRequest::CLONE_OF:
+        case wire::GeneratorRequest::SNAPSHOT: {
+          if (explicitGenerators_.size() >= kMaxGenerators && !explicitGenerators_.count(r.getId()))
             throw std::runtime_error("rgpu: this session holds " + std::to_string(kMaxGenerators) +
                                      " generators, the most a session may; drop some "
                                      "(del generator) first");
@@ -502,11 +503,24 @@ FrameOutcome Session::serve(const net::Frame &frame) {
             std::lock_guard<std::mutex> lock(g.mutex());
             g.set_current_seed(r.getCreate());
           } else {
-            at::Generator &from = generator(r.getCloneOf());
+            at::Generator &from = r.which() == wire::GeneratorRequest::SNAPSHOT
+                                      ? generators_[r.getDevice()]
+                                      : generator(r.getCloneOf());
             std::lock_guard<std::mutex> lock(from.mutex());
             g = from.clone();
           }
           explicitGenerators_[r.getId()] = std::move(g);
+          break;
+        }
+        case wire::GeneratorRequest::RESTORE: {
+          at::Generator &from = generator(r.getId()), &to = generators_[r.getDevice()];
+          at::Tensor state;
+          {
+            std::lock_guard<std::mutex> lock(from.mutex());
+            state = from.get_state();
+          }
+          std::lock_guard<std::mutex> lock(to.mutex());
+          to.set_state(state);
           break;
         }
         case wire::GeneratorRequest::SEED: {

@@ -208,9 +208,14 @@ void Session::reset() {
   log(20, "rgpu: a new session starts at the next operation (rgpu.reset())");
 }
 
+void Session::cutBeforeRng(const char *reason) {
+  if (randomPending_)
+    cut(reason);
+}
+
 void Session::seed(uint64_t value) {
   Lock lock(*this);
-  cut("torch.manual_seed");
+  cutBeforeRng("torch.manual_seed");
   Command c;
   c.kind = wire::Command::SEED;
   c.handle = value;
@@ -484,6 +489,7 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
     outs[it->second].impls.push_back(impl);
   }
   nodesSinceCut_ = 0;
+  randomPending_ = false; // what is not cut now is dead and never runs
   CutOutputs placed;
   if (outs.empty()) {
     queueGeneratorDrops();
@@ -854,7 +860,7 @@ Session::DeviceMemory Session::deviceMemory(int device, bool resetPeak, bool emp
 
 Session::RngState Session::rngState(int device, uint64_t generator) {
   Lock lock(*this);
-  cut("torch.rgpu.get_rng_state");
+  cutBeforeRng("torch.rgpu.get_rng_state");
   Command c;
   c.kind = wire::Command::RNG_STATE;
   c.device = uint8_t(device);
@@ -868,7 +874,7 @@ Session::RngState Session::rngState(int device, uint64_t generator) {
 
 void Session::setRngState(int device, std::string state, uint64_t generator) {
   Lock lock(*this);
-  cut("torch.rgpu.set_rng_state");
+  cutBeforeRng("torch.rgpu.set_rng_state");
   Command c;
   c.kind = wire::Command::RNG_STATE;
   c.device = uint8_t(device);
@@ -880,7 +886,7 @@ void Session::setRngState(int device, std::string state, uint64_t generator) {
 uint64_t Session::newGenerator(int device, uint64_t seed, uint64_t cloneOf) {
   Lock lock(*this);
   if (cloneOf)
-    cut("Generator.clone_state"); // the state the generator is in after the ops traced so far
+    cutBeforeRng("Generator.clone_state"); // its state after the ops traced so far
   Command c;
   c.kind = wire::Command::GENERATOR;
   c.device = uint8_t(device);
@@ -894,13 +900,35 @@ uint64_t Session::newGenerator(int device, uint64_t seed, uint64_t cloneOf) {
 
 void Session::seedGenerator(int device, uint64_t id, uint64_t seed) {
   Lock lock(*this);
-  cut("Generator.manual_seed");
+  cutBeforeRng("Generator.manual_seed");
   Command c;
   c.kind = wire::Command::GENERATOR;
   c.device = uint8_t(device);
   c.generator = id;
   c.generatorOp = wire::GeneratorRequest::SEED;
   c.generatorArg = seed;
+  queue(std::move(c));
+}
+
+void Session::snapshotRng(int device, uint64_t id) {
+  Lock lock(*this);
+  cutBeforeRng("a snapshot of the generator's state");
+  Command c;
+  c.kind = wire::Command::GENERATOR;
+  c.device = uint8_t(device);
+  c.generator = id;
+  c.generatorOp = wire::GeneratorRequest::SNAPSHOT;
+  queue(std::move(c));
+}
+
+void Session::restoreRng(int device, uint64_t id) {
+  Lock lock(*this);
+  cutBeforeRng("a restore of the generator's state");
+  Command c;
+  c.kind = wire::Command::GENERATOR;
+  c.device = uint8_t(device);
+  c.generator = id;
+  c.generatorOp = wire::GeneratorRequest::RESTORE;
   queue(std::move(c));
 }
 
@@ -1055,6 +1083,8 @@ Session::Reply Session::flush(bool wantReply) {
       case wire::GeneratorRequest::CLONE_OF: r.setCloneOf(c.generatorArg); break;
       case wire::GeneratorRequest::SEED: r.setSeed(c.generatorArg); break;
       case wire::GeneratorRequest::DROP: r.setDrop(); break;
+      case wire::GeneratorRequest::SNAPSHOT: r.setSnapshot(); break;
+      case wire::GeneratorRequest::RESTORE: r.setRestore(); break;
       }
       break;
     }

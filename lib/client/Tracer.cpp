@@ -994,6 +994,8 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   const OpMetas *traced = rec.inferMetas();
   const c10::DeviceIndex device = rec.outputDevice();
   llvm::IntrusiveRefCntPtr<TraceNode> node = rec.node();
+  if (info.random)
+    session.noteRandom();
   node->location = location;
   node->seq = session.nextSeq();
 

@@ -338,7 +338,8 @@ _patch_printing()
 _patch_copy_into_other_devices()
 _refuse_local_inductor()
 
-from . import _fused, _transfer  # noqa: E402
+from . import _fused, _rng, _transfer  # noqa: E402
 
 _transfer.install()
 _fused.install()
+_rng.install()

@@ -4,11 +4,13 @@
 // Everything else is in lib/client.
 //
 //===----------------------------------------------------------------------===//
+#include "rgpu/client/Generator.h"
 #include "rgpu/client/InplaceChecks.h"
 #include "rgpu/client/MetaKernels.h"
 #include "rgpu/client/Session.h"
 
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Generator.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 
@@ -205,6 +207,26 @@ PYBIND11_MODULE(_C, m) {
       got = Session::get().rngState(device);
     }
     return py::make_tuple(py::bytes(got.state), got.initialSeed);
+  });
+  // The session's generator of a device saved into, or restored from, an rgpu Generator.
+  auto rgpuGenerator = [](py::handle g) -> rgpu::client::RgpuGenerator & {
+    if (!THPGenerator_Check(g.ptr()))
+      throw py::type_error("expected a torch.Generator");
+    auto *impl = dynamic_cast<rgpu::client::RgpuGenerator *>(
+        THPGenerator_Unwrap(g.ptr()).unsafeGetGeneratorImpl());
+    if (!impl)
+      throw py::type_error("expected a torch.Generator of an rgpu device");
+    return *impl;
+  };
+  m.def("rng_snapshot", [rgpuGenerator](py::handle g, int device) {
+    uint64_t id = rgpuGenerator(g).id();
+    py::gil_scoped_release release;
+    Session::get().snapshotRng(device, id);
+  });
+  m.def("rng_restore", [rgpuGenerator](py::handle g, int device) {
+    uint64_t id = rgpuGenerator(g).id();
+    py::gil_scoped_release release;
+    Session::get().restoreRng(device, id);
   });
   m.def("set_rng_state", [](int device, const std::string &state) {
     Session::get().setRngState(device, state);

@@ -222,6 +222,40 @@ def test_a_bad_rng_state_is_a_remote_error_and_the_session_goes_on():
     assert torch.equal(torch.randn(3, device=R).cpu(), expected)
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointing_and_fork_rng_save_the_device_state_without_waiting(reentrant):
+    # torch.utils.checkpoint saves the device's RNG state in forward and around its
+    # recomputation; read as bytes, that is a round trip each time. rgpu saves a snapshot on
+    # the server instead, so a step waits only for the loss it reads.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.GELU())
+        for _ in range(4)).to(R)
+    opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
+    waits = []
+    for step in range(3):
+        before = rgpu.stats()["waits"]
+        x = torch.randn(4, 8, device=R, requires_grad=reentrant)
+        for block in blocks:
+            x = checkpoint(block, x, use_reentrant=reentrant)
+        loss = x.square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss.item()
+        waits.append(rgpu.stats()["waits"] - before)
+    assert max(waits[1:]) <= 1, waits  # the loss (none when it rode back with a reply)
+    before = rgpu.stats()["waits"]
+    torch.manual_seed(3)
+    with torch.random.fork_rng(device_type="rgpu"):
+        inside = torch.randn(3, device=R)
+    after = torch.randn(3, device=R)
+    assert rgpu.stats()["waits"] == before
+    assert torch.equal(inside.cpu(), after.cpu())
+
+
 def test_rgpu_generators_draw_as_cpu_generators_do():
     # torch.Generator(device="rgpu") is a generator of the session on the server (a CPU one on
     # the test server, so the draws are CPU's); seeding, states and clones act where called.

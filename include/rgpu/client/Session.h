@@ -179,6 +179,8 @@ public:
   /// torch.manual_seed: seeds the session's generator of every device. Ops traced before it
   /// draw before it: the trace is cut first.
   void seed(uint64_t seed);
+  /// A random op was traced: what touches a generator's state cuts the trace first (only then).
+  void noteRandom() { randomPending_ = true; }
   /// The state of the session's generator of \p device, after everything traced so far has
   /// drawn from it. One round trip.
   struct RngState {
@@ -195,6 +197,11 @@ public:
   /// state \p cloneOf is in at this point of the trace; seedGenerator reseeds one there.
   uint64_t newGenerator(int device, uint64_t seed, uint64_t cloneOf = 0);
   void seedGenerator(int device, uint64_t id, uint64_t seed);
+  /// At this point of the trace, generator \p id takes the state of the session's generator
+  /// of \p device (snapshot), or gives it its own (restore): saving and restoring the device's
+  /// state without a round trip.
+  void snapshotRng(int device, uint64_t id);
+  void restoreRng(int device, uint64_t id);
   /// The generator is gone: the server drops it after the runs that may still use it (the
   /// next cut's). Never throws.
   void dropGenerator(uint64_t id) noexcept;
@@ -370,6 +377,12 @@ private:
   LazyTensorImpl *head_ = nullptr;
   std::vector<Command> queue_;
   uint64_t nextGenerator_ = 1;
+  /// A random op was traced since the last cut (noteRandom).
+  bool randomPending_ = false;
+  /// Cuts the trace if a random op is pending: a command that reads or changes a generator's
+  /// state must come after the runs that draw before it. Other pending ops stay pending (and
+  /// fused with what follows).
+  void cutBeforeRng(const char *reason);
   /// Generators dropped since the last cut (dropGenerator).
   std::vector<uint64_t> droppedGenerators_;
   /// Queues the drops of droppedGenerators_ (after a cut's run). Never throws.
