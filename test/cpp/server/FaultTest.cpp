@@ -617,6 +617,14 @@ TEST(Faults, GeneratorRequestsAreBoundedAndTheirErrorsKeepTheSession) {
     ASSERT_TRUE(reply);
     EXPECT_NE(Peer::errorOf(*reply).find("generator 999999 does not exist"), std::string::npos)
         << Peer::errorOf(*reply);
+    reply = bad.send(true, 1, [&](auto cmds) {
+      auto g = cmds[0].initGenerator();
+      g.setId(999998);
+      g.setRestore();
+    });
+    ASSERT_TRUE(reply);
+    EXPECT_NE(Peer::errorOf(*reply).find("generator 999998 does not exist"), std::string::npos)
+        << Peer::errorOf(*reply);
     const kj::byte seven[7] = {};
     reply = bad.send(true, 1, [&](auto cmds) {
       auto r = cmds[0].initRngState();
