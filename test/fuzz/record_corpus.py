@@ -88,6 +88,8 @@ state = torch.rgpu.get_rng_state(); c = torch.nn.functional.dropout(a, 0.5)
 torch.rgpu.set_rng_state(state); gs = g.get_state(); g2 = g.clone_state(); g.set_state(gs)
 print((a + b + c).cpu(), torch.randperm(5, generator=g2, device=d).cpu(), g.initial_seed())
 del g2
+with torch.random.fork_rng(device_type="rgpu"):
+    print(torch.nn.functional.dropout(a, 0.5).cpu())
 print(torch.empty(3, device=d).normal_(generator=g).cpu())
 """,
 }
