@@ -883,53 +883,42 @@ void Session::setRngState(int device, std::string state, uint64_t generator) {
   queue(std::move(c));
 }
 
-uint64_t Session::newGenerator(int device, uint64_t seed, uint64_t cloneOf) {
+void Session::queueGenerator(const char *reason, int device, uint64_t id,
+                             wire::GeneratorRequest::Which op, uint64_t arg) {
   Lock lock(*this);
-  if (cloneOf)
-    cutBeforeRng("Generator.clone_state"); // its state after the ops traced so far
+  if (reason)
+    cutBeforeRng(reason);
   Command c;
   c.kind = wire::Command::GENERATOR;
   c.device = uint8_t(device);
-  c.generator = nextGenerator_++;
-  c.generatorOp = cloneOf ? wire::GeneratorRequest::CLONE_OF : wire::GeneratorRequest::CREATE;
-  c.generatorArg = cloneOf ? cloneOf : seed;
-  const uint64_t id = c.generator;
+  c.generator = id;
+  c.generatorOp = op;
+  c.generatorArg = arg;
   queue(std::move(c));
+}
+
+uint64_t Session::newGenerator(int device, uint64_t seed, uint64_t cloneOf) {
+  Lock lock(*this);
+  const uint64_t id = nextGenerator_++;
+  if (cloneOf) // in the state the generator is in after the ops traced so far
+    queueGenerator("Generator.clone_state", device, id, wire::GeneratorRequest::CLONE_OF, cloneOf);
+  else
+    queueGenerator(nullptr, device, id, wire::GeneratorRequest::CREATE, seed);
   return id;
 }
 
 void Session::seedGenerator(int device, uint64_t id, uint64_t seed) {
-  Lock lock(*this);
-  cutBeforeRng("Generator.manual_seed");
-  Command c;
-  c.kind = wire::Command::GENERATOR;
-  c.device = uint8_t(device);
-  c.generator = id;
-  c.generatorOp = wire::GeneratorRequest::SEED;
-  c.generatorArg = seed;
-  queue(std::move(c));
+  queueGenerator("Generator.manual_seed", device, id, wire::GeneratorRequest::SEED, seed);
 }
 
 void Session::snapshotRng(int device, uint64_t id) {
-  Lock lock(*this);
-  cutBeforeRng("a snapshot of the generator's state");
-  Command c;
-  c.kind = wire::Command::GENERATOR;
-  c.device = uint8_t(device);
-  c.generator = id;
-  c.generatorOp = wire::GeneratorRequest::SNAPSHOT;
-  queue(std::move(c));
+  queueGenerator("a snapshot of the generator's state", device, id,
+                 wire::GeneratorRequest::SNAPSHOT);
 }
 
 void Session::restoreRng(int device, uint64_t id) {
-  Lock lock(*this);
-  cutBeforeRng("a restore of the generator's state");
-  Command c;
-  c.kind = wire::Command::GENERATOR;
-  c.device = uint8_t(device);
-  c.generator = id;
-  c.generatorOp = wire::GeneratorRequest::RESTORE;
-  queue(std::move(c));
+  queueGenerator("a restore of the generator's state", device, id,
+                 wire::GeneratorRequest::RESTORE);
 }
 
 void Session::dropGenerator(uint64_t id) noexcept {

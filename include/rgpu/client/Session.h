@@ -383,6 +383,10 @@ private:
   /// state must come after the runs that draw before it. Other pending ops stay pending (and
   /// fused with what follows).
   void cutBeforeRng(const char *reason);
+  /// Queues a GeneratorRequest \p op of generator \p id, after cutBeforeRng(\p reason) unless
+  /// \p reason is null.
+  void queueGenerator(const char *reason, int device, uint64_t id,
+                      wire::GeneratorRequest::Which op, uint64_t arg = 0);
   /// Generators dropped since the last cut (dropGenerator).
   std::vector<uint64_t> droppedGenerators_;
   /// Queues the drops of droppedGenerators_ (after a cut's run). Never throws.
