@@ -63,8 +63,9 @@ _original_set_device_states = checkpoint.set_device_states
 def _get_device_states(*args):
     devices = []
 
-    def note(arg):
-        if isinstance(arg, torch.Tensor) and arg.device.type == "rgpu":
+    def note(arg):  # each device once (torch lists one per tensor)
+        if isinstance(arg, torch.Tensor) and arg.device.type == "rgpu" and \
+                arg.get_device() not in devices:
             devices.append(arg.get_device())
         return arg
 
