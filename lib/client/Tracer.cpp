@@ -1270,12 +1270,33 @@ void registerWholeOps() {
       collectives->impl(op, torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
+/// An op that would make a sparse or quantized rgpu tensor (nn.Embedding(sparse=True)'s
+/// backward, torch.sparse_coo_tensor(..., device="rgpu")): refused by name, not with the
+/// dispatcher's "Could not run ... with arguments from the 'Sparsergpu' backend".
+void refuseOtherLayouts(const c10::OperatorHandle &op, torch::jit::Stack *) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "rgpu: ", fullName(op), " would make a sparse or quantized "
+                              "tensor; rgpu supports strided tensors only (for an embedding, "
+                              "use sparse=False: its gradient is then dense)");
+}
+
 } // namespace rgpu::client
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, rgpu::client::GuardImpl);
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&rgpu::client::fallback>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparsePrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&rgpu::client::refuseOtherLayouts>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&rgpu::client::refuseOtherLayouts>());
+}
+
+TORCH_LIBRARY_IMPL(_, QuantizedPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&rgpu::client::refuseOtherLayouts>());
 }
 
 TORCH_LIBRARY_IMPL(aten, Functionalize, m) {

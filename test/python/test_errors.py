@@ -40,9 +40,9 @@ def test_mixing_devices_raises_like_torch_but_cpu_scalars_are_fine():
     same(a * 2, torch.full((3,), 2.0))
 
 
-def test_an_explicit_generator_is_refused_at_the_call():
+def test_a_cpu_generator_given_to_an_rgpu_op_is_refused_at_the_call():
     g = torch.Generator()
-    with pytest.raises(TypeError, match="generator"):
+    with pytest.raises(TypeError, match="generator of device cpu"):
         torch.randn(3, device=R, generator=g)
     same(torch.ones(2, device=R) + 1, torch.full((2,), 2.0))
 
@@ -50,6 +50,12 @@ def test_an_explicit_generator_is_refused_at_the_call():
 def test_sparse_layouts_are_refused_at_the_call():
     with pytest.raises((NotImplementedError, TypeError), match="strided"):
         torch.ones(2, 2, device=R).to_sparse()
+    # Sparse tensors made on rgpu directly, or by a sparse embedding's backward, name the op.
+    with pytest.raises(NotImplementedError, match="_sparse_coo_tensor.*strided tensors only"):
+        torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (2,), device=R)
+    embedding = torch.nn.Embedding(10, 4, sparse=True).to(R)
+    with pytest.raises(NotImplementedError, match="sparse=False"):
+        embedding(torch.tensor([1, 2], device=R)).sum().backward()
     same(torch.ones(2, device=R) * 3, torch.full((2,), 3.0))
 
 
