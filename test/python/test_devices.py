@@ -139,3 +139,19 @@ def draws():
 print(json.dumps({"first": draws(), "second": draws()}))
 """)
     assert out["first"] == out["second"]
+
+
+def test_generators_and_rng_snapshots_of_either_device(two_devices):
+    out = run(two_devices, """
+g = torch.Generator(device="rgpu:1").manual_seed(7)
+a = torch.randn(3, generator=g, device="rgpu:1")
+want = torch.randn(3, generator=torch.Generator().manual_seed(7))
+torch.manual_seed(2)
+with torch.random.fork_rng(devices=[0, 1], device_type="rgpu"):
+    inside = torch.randn(2, device="rgpu:1")
+after = torch.randn(2, device="rgpu:1")
+print(json.dumps({"device": str(g.device), "draws": torch.equal(a.cpu(), want),
+                  "restored": torch.equal(inside.cpu(), after.cpu()),
+                  "states": len(torch.rgpu.get_rng_state_all())}))
+""")
+    assert out == {"device": "rgpu:1", "draws": True, "restored": True, "states": 2}
