@@ -476,7 +476,8 @@ FrameOutcome Session::serve(const net::Frame &frame) {
           g.set_state(state); // checks the size and the values, as torch.cuda.set_rng_state
         }
         at::Tensor state = g.get_state().contiguous();
-        results.back().data = kj::heapArray<kj::byte>(state.const_data_ptr<uint8_t>(), state.numel());
+        results.back().data =
+            kj::heapArray<kj::byte>(state.const_data_ptr<uint8_t>(), state.numel());
         results.back().seed = g.current_seed();
         break;
       }
@@ -1036,7 +1037,8 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     }
   }
   if (!ran)
-    if (ErrorPtr e = plan->run(inputs, scalars, {ctx_.devices(), generators_, &explicitGenerators_}, outputs,
+    if (ErrorPtr e = plan->run(inputs, scalars,
+                               {ctx_.devices(), generators_, &explicitGenerators_}, outputs,
                                !r.getReplyMetas(), sized))
       fail(e);
   uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(

@@ -226,10 +226,11 @@ struct Canonical {
 
 /// Puts \p g into canonical form: nodes in post-order of a depth-first walk from the outputs (in
 /// their given order), inputs and scalar slots numbered by first use, and nodes no output needs
-/// removed. Random nodes keep their given (trace) order among themselves: each is walked after
-/// the random node before it, as if that were an operand, so draws happen as eager makes them. Two traces of the same program get the same canonical graph whatever their handle
-/// numbers or the order in which their inputs were met. \p g must be well formed (see verify)
-/// and static: the canonical form of a symbolic graph keeps none of its symbols.
+/// removed. Two traces of the same program get the same canonical graph whatever their handle
+/// numbers or the order in which their inputs were met. Random nodes keep their given (trace)
+/// order among themselves: each is walked after the random node before it, as if that were an
+/// operand, so draws happen as eager makes them. \p g must be well formed (see verify) and
+/// static: the canonical form of a symbolic graph keeps none of its symbols.
 Canonical canonicalize(const Graph &g);
 
 /// The 128-bit structural hash of a graph: ops, args, operand wiring, input/output metas,
