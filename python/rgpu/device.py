@@ -84,8 +84,9 @@ def synchronize(device=None) -> None:
 
 # Random numbers. Each device has one generator per session, on the server, which every random
 # op without an explicit generator draws from; these functions are torch.cuda's for it. Seeding
-# or setting a state cuts the trace (ops traced before it draw before it) and sends no message
-# of its own; reading a state is a round trip, after everything traced so far has drawn.
+# or setting a state acts where it is called (the trace is cut first if a random op is pending,
+# so ops traced before draw before) and sends no message of its own; reading a state is a round
+# trip, after everything traced so far has drawn.
 
 _initialized = True  # torch.utils.checkpoint saves device RNG states only where this is set
 
