@@ -454,13 +454,14 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       }
       case wire::Command::RNG_STATE: {
         auto r = cmd.getRngState();
-        if (r.getDevice() >= generators_.size() ||
-            r.getState().size() > kMaxRngStateBytes) {
-          fatal = r.getDevice() >= generators_.size()
-                      ? "a generator state request for rgpu:" + std::to_string(r.getDevice()) +
-                            " of a server with " + std::to_string(generators_.size()) + " devices"
-                      : "a generator state of " + std::to_string(r.getState().size()) +
-                            " bytes, more than the limit of " + std::to_string(kMaxRngStateBytes);
+        if (r.getDevice() >= generators_.size()) {
+          fatal = "a generator state request for rgpu:" + std::to_string(r.getDevice()) +
+                  " of a server with " + std::to_string(generators_.size()) + " devices";
+          break;
+        }
+        if (r.getState().size() > kMaxRngStateBytes) {
+          fatal = "a generator state of " + std::to_string(r.getState().size()) +
+                  " bytes, more than the limit of " + std::to_string(kMaxRngStateBytes);
           break;
         }
         // The result comes first: a state the generator refuses still gets its (empty) answer,
@@ -483,11 +484,13 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       }
       case wire::Command::GENERATOR: {
         auto r = cmd.getGenerator();
-        if (r.getDevice() >= generators_.size() || r.getId() == 0) {
-          fatal = r.getId() == 0 ? std::string("a generator request for generator 0")
-                                 : "a generator request for rgpu:" + std::to_string(r.getDevice()) +
-                                       " of a server with " + std::to_string(generators_.size()) +
-                                       " devices";
+        if (r.getId() == 0) {
+          fatal = "a generator request for generator 0";
+          break;
+        }
+        if (r.getDevice() >= generators_.size()) {
+          fatal = "a generator request for rgpu:" + std::to_string(r.getDevice()) +
+                  " of a server with " + std::to_string(generators_.size()) + " devices";
           break;
         }
         switch (r.which()) {

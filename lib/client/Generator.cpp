@@ -8,10 +8,20 @@
 
 namespace rgpu::client {
 
-RgpuGenerator::RgpuGenerator(c10::DeviceIndex device, uint64_t seed, uint64_t cloneOf)
+RgpuGenerator::RgpuGenerator(c10::DeviceIndex device, uint64_t id, uint64_t seed)
     : c10::GeneratorImpl(c10::Device(c10::DeviceType::PrivateUse1, device),
                          c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
-      id_(Session::get().newGenerator(device, seed, cloneOf)), seed_(seed) {}
+      id_(id), seed_(seed) {}
+
+at::Generator RgpuGenerator::make(c10::DeviceIndex device, uint64_t seed) {
+  uint64_t id = Session::get().newGenerator(device, wire::GeneratorRequest::CREATE, seed);
+  return at::make_generator<RgpuGenerator>(device, id, seed);
+}
+
+at::Generator RgpuGenerator::snapshot(c10::DeviceIndex device) {
+  uint64_t id = Session::get().newGenerator(device, wire::GeneratorRequest::SNAPSHOT);
+  return at::make_generator<RgpuGenerator>(device, id, uint64_t(0));
+}
 
 RgpuGenerator::~RgpuGenerator() { Session::get().dropGenerator(id_); }
 
@@ -53,8 +63,9 @@ c10::intrusive_ptr<c10::TensorImpl> RgpuGenerator::get_state() const {
 }
 
 RgpuGenerator *RgpuGenerator::clone_impl() const {
-  auto *copy = new RgpuGenerator(device_.index(), seed_, id_);
-  return copy;
+  // In the state this one is in after the ops traced so far.
+  uint64_t id = Session::get().newGenerator(device_.index(), wire::GeneratorRequest::CLONE_OF, id_);
+  return new RgpuGenerator(device_.index(), id, seed_);
 }
 
 } // namespace rgpu::client

@@ -897,23 +897,17 @@ void Session::queueGenerator(const char *reason, int device, uint64_t id,
   queue(std::move(c));
 }
 
-uint64_t Session::newGenerator(int device, uint64_t seed, uint64_t cloneOf) {
+uint64_t Session::newGenerator(int device, wire::GeneratorRequest::Which how, uint64_t arg) {
   Lock lock(*this);
   const uint64_t id = nextGenerator_++;
-  if (cloneOf) // in the state the generator is in after the ops traced so far
-    queueGenerator("Generator.clone_state", device, id, wire::GeneratorRequest::CLONE_OF, cloneOf);
-  else
-    queueGenerator(nullptr, device, id, wire::GeneratorRequest::CREATE, seed);
+  // A clone or snapshot takes a state after the ops traced so far; a new one none.
+  queueGenerator(how == wire::GeneratorRequest::CREATE ? nullptr : "a copy of a generator's state",
+                 device, id, how, arg);
   return id;
 }
 
 void Session::seedGenerator(int device, uint64_t id, uint64_t seed) {
   queueGenerator("Generator.manual_seed", device, id, wire::GeneratorRequest::SEED, seed);
-}
-
-void Session::snapshotRng(int device, uint64_t id) {
-  queueGenerator("a snapshot of the generator's state", device, id,
-                 wire::GeneratorRequest::SNAPSHOT);
 }
 
 void Session::restoreRng(int device, uint64_t id) {

@@ -1155,8 +1155,7 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   }
   /// torch.Generator(device="rgpu"): seeded as CPU's and CUDA's new generators are.
   at::Generator getNewGenerator(c10::DeviceIndex device) const override {
-    return at::make_generator<RgpuGenerator>(device < 0 ? tlsDevice : device,
-                                             c10::default_rng_seed_val);
+    return RgpuGenerator::make(device < 0 ? tlsDevice : device, c10::default_rng_seed_val);
   }
   at::Device getDeviceFromPtr(void *) const override { return {c10::DeviceType::PrivateUse1, tlsDevice}; }
   bool isPinnedPtr(const void *) const override { return false; }

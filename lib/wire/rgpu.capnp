@@ -174,7 +174,7 @@ struct GeneratorRequest {
     cloneOf @3 :UInt64;  # a new generator in the state generator cloneOf is in
     seed @4 :UInt64;     # manual_seed
     drop @5 :Void;       # the client's Generator is gone
-    snapshot @6 :Void;   # (made or replaced) in the state the session's generator of the
+    snapshot @6 :Void;   # a new generator in the state the session's generator of the
                          # device is in: torch.random.fork_rng and torch.utils.checkpoint save
                          # the device's state this way, without a round trip
     restore @7 :Void;    # the session's generator of the device takes this one's state

@@ -24,8 +24,7 @@ class _Snapshot:
 
     def __init__(self, index):
         self.index = index
-        self.generator = torch.Generator(device=torch.device("rgpu", index))
-        _C.rng_snapshot(self.generator, index)
+        self.generator = _C.rng_snapshot(index)
 
     def restore(self):
         _C.rng_restore(self.generator, self.index)

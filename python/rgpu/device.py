@@ -118,7 +118,7 @@ def initial_seed() -> int:
 def get_rng_state(device="rgpu") -> torch.Tensor:
     """The state of ``device``'s generator as a CPU ByteTensor, after every op traced so far
     has drawn: 5056 bytes from a CPU server, 16 from a CUDA one. One round trip."""
-    state, _ = _C.rng_state(_index(None if device == "rgpu" else device))
+    state, _ = _C.rng_state(_index(device))
     return torch.frombuffer(bytearray(state), dtype=torch.uint8)
 
 
@@ -129,7 +129,7 @@ def set_rng_state(new_state: torch.Tensor, device="rgpu") -> None:
     if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
         raise TypeError("set_rng_state expects a torch.ByteTensor, as get_rng_state returns")
     data = new_state.detach().cpu().contiguous().numpy().tobytes()
-    _C.set_rng_state(_index(None if device == "rgpu" else device), data)
+    _C.set_rng_state(_index(device), data)
 
 
 def get_rng_state_all() -> list:
@@ -180,8 +180,10 @@ def Event(enable_timing=False, blocking=False, interprocess=False) -> torch.Even
 def is_bf16_supported(including_emulation: bool = True) -> bool:
     """Whether the server's device computes in bfloat16: a CPU server does, CUDA from compute
     capability 8.0 (or with emulation, as ``torch.cuda.is_bf16_supported``)."""
+    if including_emulation:
+        return True
     m = _memory(None)
-    return m["device"].startswith("cpu") or m["major"] >= 8 or including_emulation
+    return m["device"].startswith("cpu") or m["major"] >= 8
 
 
 def get_amp_supported_dtype():

@@ -208,23 +208,23 @@ PYBIND11_MODULE(_C, m) {
     }
     return py::make_tuple(py::bytes(got.state), got.initialSeed);
   });
-  // The session's generator of a device saved into, or restored from, an rgpu Generator.
-  auto rgpuGenerator = [](py::handle g) -> rgpu::client::RgpuGenerator & {
-    if (!THPGenerator_Check(g.ptr()))
-      throw py::type_error("expected a torch.Generator");
-    auto *impl = dynamic_cast<rgpu::client::RgpuGenerator *>(
-        THPGenerator_Unwrap(g.ptr()).unsafeGetGeneratorImpl());
-    if (!impl)
-      throw py::type_error("expected a torch.Generator of an rgpu device");
-    return *impl;
-  };
-  m.def("rng_snapshot", [rgpuGenerator](py::handle g, int device) {
-    uint64_t id = rgpuGenerator(g).id();
-    py::gil_scoped_release release;
-    Session::get().snapshotRng(device, id);
+  // The session's generator of a device saved as an rgpu Generator, or restored from one.
+  m.def("rng_snapshot", [](int device) {
+    at::Generator g;
+    {
+      py::gil_scoped_release release;
+      g = rgpu::client::RgpuGenerator::snapshot(c10::DeviceIndex(device));
+    }
+    return py::reinterpret_steal<py::object>(THPGenerator_Wrap(g));
   });
-  m.def("rng_restore", [rgpuGenerator](py::handle g, int device) {
-    uint64_t id = rgpuGenerator(g).id();
+  m.def("rng_restore", [](py::handle g, int device) {
+    auto *saved = THPGenerator_Check(g.ptr())
+                      ? dynamic_cast<rgpu::client::RgpuGenerator *>(
+                            THPGenerator_Unwrap(g.ptr()).unsafeGetGeneratorImpl())
+                      : nullptr;
+    if (!saved)
+      throw py::type_error("expected a torch.Generator of an rgpu device");
+    uint64_t id = saved->id();
     py::gil_scoped_release release;
     Session::get().restoreRng(device, id);
   });

@@ -8,15 +8,20 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include <ATen/core/Generator.h>
 #include <c10/core/GeneratorImpl.h>
 
 namespace rgpu::client {
 
 class RgpuGenerator final : public c10::GeneratorImpl {
 public:
-  /// A new generator of rgpu:\p device seeded with \p seed (cloneOf 0), or in the state the
-  /// generator \p cloneOf is in.
-  RgpuGenerator(c10::DeviceIndex device, uint64_t seed, uint64_t cloneOf = 0);
+  /// torch.Generator(device="rgpu"): a new generator of rgpu:\p device seeded with \p seed.
+  static at::Generator make(c10::DeviceIndex device, uint64_t seed);
+  /// A generator in the state the session's generator of rgpu:\p device is in at this point of
+  /// the trace (torch.random.fork_rng and checkpointing save the device's state so).
+  static at::Generator snapshot(c10::DeviceIndex device);
+  /// Names the session's generator \p id, which the server already has.
+  RgpuGenerator(c10::DeviceIndex device, uint64_t id, uint64_t seed);
   ~RgpuGenerator() override;
 
   uint64_t id() const { return id_; }

@@ -177,7 +177,7 @@ public:
   /// Raises SessionLost if \p v is data of a session that reset() ended.
   void checkCurrent(const Value &v);
   /// torch.manual_seed: seeds the session's generator of every device. Ops traced before it
-  /// draw before it: the trace is cut first.
+  /// draw before it: the trace is cut first if a random op is pending.
   void seed(uint64_t seed);
   /// A random op was traced: what touches a generator's state cuts the trace first (only then).
   void noteRandom() { randomPending_ = true; }
@@ -193,14 +193,14 @@ public:
   /// a RemoteError at the next sync.
   void setRngState(int device, std::string state, uint64_t generator = 0);
   /// torch.Generator(device="rgpu") objects: each is a generator of this session on the server,
-  /// named by an id the client picks. newGenerator makes one seeded with \p seed, or in the
-  /// state \p cloneOf is in at this point of the trace; seedGenerator reseeds one there.
-  uint64_t newGenerator(int device, uint64_t seed, uint64_t cloneOf = 0);
+  /// named by an id the client picks. newGenerator makes one \p how says: seeded with \p arg
+  /// (CREATE), in the state generator \p arg is in at this point of the trace (CLONE_OF), or
+  /// in the state the session's generator of \p device is in there (SNAPSHOT); returns its id.
+  /// seedGenerator reseeds one there.
+  uint64_t newGenerator(int device, wire::GeneratorRequest::Which how, uint64_t arg = 0);
   void seedGenerator(int device, uint64_t id, uint64_t seed);
-  /// At this point of the trace, generator \p id takes the state of the session's generator
-  /// of \p device (snapshot), or gives it its own (restore): saving and restoring the device's
-  /// state without a round trip.
-  void snapshotRng(int device, uint64_t id);
+  /// At this point of the trace, the session's generator of \p device takes the state of
+  /// generator \p id (a SNAPSHOT): restoring the device's state without a round trip.
   void restoreRng(int device, uint64_t id);
   /// The generator is gone: the server drops it after the runs that may still use it (the
   /// next cut's). Never throws.
