@@ -10,13 +10,16 @@ Three things differ from a CUDA tensor, and each is handled here:
   every module that held it the same result.
 * **One round trip per move.** Reading a tensor back waits for the server; a model moved to the
   CPU reads all of its tensors, so they are fetched together, in one frame.
-* **Saving.** An rgpu tensor has no CPU-readable storage, so it pickles the way XLA tensors do:
-  as its CPU value with the device name, rebuilt on rgpu by ``torch.load`` (which honours
-  ``map_location``). ``torch.save`` fetches every rgpu tensor of what it saves in one frame.
-  ``torch.load(f, map_location="rgpu")`` (or a dict that maps a saved location to an rgpu
-  device, ``{"cuda:0": "rgpu:1"}``) reads the storages bound for rgpu on the CPU, then uploads
-  each once: torch's own path would allocate rgpu storages on the client, which holds no rgpu
-  bytes. Tensors that shared a storage in the file stay views of one tensor.
+* **Saving.** An rgpu tensor has no CPU-readable storage. ``torch.save`` fetches every rgpu
+  tensor of what it saves in one frame and writes each as a CUDA tensor is written: its bytes
+  in a storage tagged with its device (``rgpu:0``), so ``torch.load`` treats it as it treats
+  a CUDA checkpoint (``map_location="cpu"``, a dict, or ``lambda storage, loc: storage`` all
+  work, with or without rgpu installed). A plain ``pickle`` of an rgpu tensor is its CPU value
+  with the device name, as for XLA tensors. ``torch.load`` puts storages bound for rgpu
+  (tagged so, or mapped there: ``map_location="rgpu"`` or ``{"cuda:0": "rgpu:1"}``) on the
+  CPU first, then uploads each once: torch's own path would allocate rgpu storages on the
+  client, which holds no rgpu bytes. Tensors that shared a storage in the file stay views of
+  one tensor.
   Savers that tell shared tensors apart by their storage's address (safetensors,
   ``save_pretrained``) get an address that, like a CUDA device pointer, is not readable here:
   equal for tensors that share storage (views, tied weights), different otherwise; a tensor's
@@ -123,8 +126,30 @@ def _reduce_ex_internal(self, proto):
                            "their data lives on the server")
     with torch.no_grad():
         cpu = self.cpu()  # not self.detach(): that is a new alias, fetched on its own
-    return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
-            (cpu, self.dtype, str(self.device), self.requires_grad))
+    if not getattr(_state, "saving", 0):
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (cpu, self.dtype, str(self.device), self.requires_grad))
+    cpu.requires_grad_(self.requires_grad)
+    _state.tags[cpu.untyped_storage()._cdata] = (str(self.device), cpu)
+    return _original_reduce(cpu, proto)
+
+
+def _tag(storage):
+    """torch.save's location of a storage: the rgpu device of the tensor it was fetched from."""
+    tags = getattr(_state, "tags", None)
+    entry = tags and tags.get(getattr(storage, "_untyped_storage", storage)._cdata)
+    return entry[0] if entry else None
+
+
+def _restore(storage, location):
+    """torch.load's restore of a storage tagged with an rgpu device: kept on the CPU, noted, and
+    uploaded once the whole object is read (_load)."""
+    targets = getattr(_state, "targets", None)
+    device = _rgpu_target(location) if targets is not None else None
+    if device is None:
+        return None
+    targets[storage.data_ptr()] = device
+    return storage
 
 
 def _tensors_in(obj, depth=0):
@@ -145,8 +170,17 @@ _original_save = torch.save
 
 @functools.wraps(_original_save)
 def _save(obj, *args, **kwargs):
-    with downloads_together(_tensors_in(obj)):
-        return _original_save(obj, *args, **kwargs)
+    outermost = not getattr(_state, "saving", 0)
+    if outermost:
+        _state.tags = {}  # storage -> (device, the fetched tensor that keeps it alive)
+    _state.saving = getattr(_state, "saving", 0) + 1
+    try:
+        with downloads_together(_tensors_in(obj)):
+            return _original_save(obj, *args, **kwargs)
+    finally:
+        _state.saving -= 1
+        if outermost:
+            _state.tags = {}
 
 
 _original_load = torch.load
@@ -209,19 +243,21 @@ def _load(f, map_location=None, *args, **kwargs):
     everything = _rgpu_target(map_location) if isinstance(map_location, (str, torch.device)) \
         else None
     mapped = isinstance(map_location, dict) and any(map(_rgpu_target, map_location.values()))
-    if everything is None and not mapped:
-        return _original_load(f, map_location, *args, **kwargs)
     targets = {}  # storage data_ptr -> the rgpu device its tensors go to
 
     def restore(storage, location):
         where = everything or map_location.get(location, location)
-        device = _rgpu_target(where)
-        if device is None:
-            return torch.serialization.default_restore_location(storage, str(where))
-        targets[storage.data_ptr()] = device
-        return storage  # read on the CPU; moved below, each storage once
+        kept = _restore(storage, where)
+        return torch.serialization.default_restore_location(storage, str(where)) \
+            if kept is None else kept
 
-    obj = _original_load(f, restore, *args, **kwargs)
+    outer, _state.targets = getattr(_state, "targets", None), targets
+    try:
+        obj = _original_load(f, restore if everything or mapped else map_location, *args, **kwargs)
+    finally:
+        _state.targets = outer
+    if not targets and everything is None:
+        return obj
     uses = collections.Counter(_storage_key(t) for t in _tensors_in(obj) if t.device.type == "cpu")
     with torch.no_grad():
         return _to_device(obj, everything, targets, {}, uses)
@@ -272,3 +308,4 @@ def install():
     torch.Tensor.__deepcopy__ = functools.wraps(_original_deepcopy)(_deepcopy)
     torch.save = torch.serialization.save = _save
     torch.load = torch.serialization.load = _load
+    torch.serialization.register_package(9, _tag, _restore)

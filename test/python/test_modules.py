@@ -216,6 +216,36 @@ def test_a_cpu_checkpoint_loads_straight_onto_rgpu_with_its_sharing():
         same(fresh[0].weight, model[0].weight)
 
 
+def test_an_rgpu_checkpoint_loads_as_a_cuda_one_does(tmp_path):
+    """Saved storages are tagged with their rgpu device, as CUDA ones are with theirs: every
+    map_location torch.load takes works, rgpu or not installed."""
+    import pickle
+    import subprocess
+
+    x = torch.arange(6.0).reshape(2, 3).to(R)
+    p = nn.Parameter(torch.ones(2).to(R))
+    path = tmp_path / "ck.pt"
+    torch.save({"x": x, "col": x[:, 1], "p": p, "e": torch.zeros(0, 3, device=R)}, path)
+    for where, device in ((None, R), (R, R), ("cpu", "cpu"), (torch.device("cpu"), "cpu"),
+                          ({"rgpu:0": "cpu"}, "cpu"), (lambda storage, loc: storage, "cpu")):
+        for weights_only in (True, False):
+            d = torch.load(path, map_location=where, weights_only=weights_only)
+            assert d["x"].device.type == device and d["col"].device.type == device
+            assert torch.equal(d["col"].cpu(), torch.tensor([1.0, 4.0]))
+            assert isinstance(d["p"], nn.Parameter) and d["p"].requires_grad
+            assert d["e"].shape == (0, 3)
+    # Without rgpu: as a CUDA checkpoint on a machine without CUDA.
+    script = ("import torch, sys; d = torch.load(sys.argv[1], map_location='cpu'); "
+              "print(d['col'].tolist());"
+              "torch.load(sys.argv[1])")
+    r = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True)
+    assert r.stdout.strip() == "[1.0, 4.0]", r.stderr
+    assert "tagged with rgpu:0" in r.stderr
+    # A plain pickle keeps the device.
+    y = pickle.loads(pickle.dumps(x[:, 1]))
+    assert y.device.type == R and y.cpu().tolist() == [1.0, 4.0]
+
+
 def test_a_map_location_that_names_no_rgpu_device_is_torchs_own():
     buf = io.BytesIO()
     torch.save({"w": torch.arange(3.0)}, buf)
