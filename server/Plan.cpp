@@ -253,9 +253,9 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   step.firstOutput = firstOutput;
   step.numOutputs = n.outputs.size();
   step.restrideOperands = bridge::isStridedView(base);
-  random_ |= handle->hasTag(at::Tag::nondeterministic_seeded);
+  random_ |= bridge::drawsRandom(*handle);
   compilable_ &= policy::compilable(base);
-  step.seeded = handle->hasTag(at::Tag::nondeterministic_seeded) &&
+  step.seeded = bridge::drawsRandom(*handle) &&
                 std::none_of(schema.arguments().begin(), schema.arguments().end(),
                              [](const c10::Argument &a) {
                                return a.type()->str().find("Generator") != std::string::npos;

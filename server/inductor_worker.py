@@ -79,7 +79,10 @@ class Interpreter:
         self.steps = []
         for node in graph["nodes"]:
             op = resolve(node["run_op"])
-            if torch.Tag.nondeterministic_seeded in op.tags:
+            # CPU's fused attention kernel is tagged for its dropout but refuses any (as
+            # rgpu::bridge::drawsRandom says).
+            if torch.Tag.nondeterministic_seeded in op.tags and \
+                    op is not torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
                 raise Unsupported(f"{node['op']} draws random numbers from the session's generator")
             self.steps.append((op, node))
 

@@ -70,6 +70,11 @@ bool isStridedView(llvm::StringRef base) {
          base == "aten::_reshape_alias_copy";
 }
 
+bool drawsRandom(const c10::OperatorHandle &op) {
+  return op.hasTag(at::Tag::nondeterministic_seeded) &&
+         op.operator_name().name != "aten::_scaled_dot_product_flash_attention_for_cpu";
+}
+
 std::optional<c10::OperatorHandle> viewOf(const c10::OperatorName &copyOp) {
   llvm::StringRef base(copyOp.name);
   if (!base.endswith("_copy") || isStridedView(base))

@@ -209,7 +209,7 @@ OpInfo::OpInfo(const c10::OperatorHandle &op) : name(op.operator_name()) {
   const auto &returns = op.schema().returns();
   viewOp = !returns.empty() && returns[0].alias_info() && !returns[0].alias_info()->isWrite();
   anyView = viewOp || bridge::viewOf(name).has_value();
-  random = op.hasTag(at::Tag::nondeterministic_seeded);
+  random = bridge::drawsRandom(op);
   for (const c10::Argument &a : op.schema().arguments()) {
     c10::TypePtr type = a.type();
     ArgInfo info{};

@@ -115,6 +115,10 @@ def sweep(limit_samples=4, only=None, dtype=torch.float32, grad=False, check_met
                 rgpu._C._cpp_meta_disagreements()  # of earlier samples
             try:
                 inputs = (tree_map(to_rgpu, s.input), tree_map(to_rgpu, s.args), tree_map(to_rgpu, s.kwargs))
+                if isinstance(expected, torch.Tensor) and "device" not in s.kwargs and \
+                        not any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
+                                for t in tree_flatten(inputs)[0]):
+                    inputs[2]["device"] = "rgpu"  # a factory called without a device: name it
                 actual = op(inputs[0], *inputs[1], **inputs[2])
                 try:
                     compare(actual, expected, dtype)

@@ -1,5 +1,6 @@
 """Ops on rgpu tensors match CPU eager: the lazy trace is an implementation detail."""
 
+import contextlib
 import itertools
 
 import pytest
@@ -460,6 +461,33 @@ def test_grouped_mm_runs_every_float_dtype_its_kernels_run_with_gradients(dtype)
         torch._grouped_mm(torch.ones(4, 8, dtype=torch.float64, device=R),
                           torch.ones(2, 8, 8, dtype=torch.float64, device=R),
                           offs=torch.tensor([2, 4], dtype=torch.int32, device=R))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scaled_dot_product_attention_runs_cpus_kernel_on_a_cpu_server(dtype):
+    # The kernel choice follows the server's device: a CPU server runs CPU's fused kernel, so
+    # outputs, strides and gradients are CPU eager's bit for bit (the math kernel's differ by
+    # rounding, by 0.1 in bfloat16 gradients).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=g).to(dtype)
+    kv = [torch.randn(2, 2, 7, 8, generator=g).to(dtype) for _ in range(2)]
+    mask = torch.randn(5, 7, generator=g) > 0
+    cases = [dict(is_causal=True, enable_gqa=True), dict(attn_mask=mask, enable_gqa=True),
+             dict(attn_mask=mask.to(dtype), scale=0.3, enable_gqa=True)]
+    for backend, kw in itertools.product([None, SDPBackend.MATH], cases):
+        outs = []
+        for d in ("cpu", R):
+            args = [t.detach().to(d, copy=True).requires_grad_() for t in (q, *kv)]
+            kw_d = {k: v.to(d) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+            with sdpa_kernel(backend) if backend else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(*args, **kw_d)
+                out.backward(torch.ones_like(out))
+            outs.append([out, *(a.grad for a in args)])
+        for r, c in zip(*reversed(outs)):
+            assert r.stride() == c.stride()
+            same(r, c, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])

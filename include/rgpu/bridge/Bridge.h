@@ -54,6 +54,11 @@ ir::Arg::Kind constantKind(ArgType t);
 /// the operand's exact memory layout, and it must stay inside the operand's storage.
 bool isStridedView(llvm::StringRef base);
 
+/// Whether \p op draws from a random generator: torch tags such ops nondeterministic_seeded.
+/// CPU's fused attention kernel carries the tag for its dropout argument but refuses any
+/// dropout, so it never draws.
+bool drawsRandom(const c10::OperatorHandle &op);
+
 /// The view op that a functionalized `*_copy` op (`transpose_copy.int`) stands for, when one
 /// exists with the same arguments; the strided-view constructors never resolve. In a
 /// functional graph nothing writes through the alias, so running the view is safe and saves a
