@@ -338,8 +338,9 @@ _patch_printing()
 _patch_copy_into_other_devices()
 _refuse_local_inductor()
 
-from . import _fused, _rng, _transfer  # noqa: E402
+from . import _fused, _nested, _rng, _transfer  # noqa: E402
 
 _transfer.install()
 _fused.install()
 _rng.install()
+_nested.install()

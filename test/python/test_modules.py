@@ -288,3 +288,48 @@ def test_deep_copies_of_models_optimizers_and_tensors_are_independent_and_equal(
 
     for got, want in zip(run(R), run("cpu")):
         same(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_transformer_encoders_in_eval_with_padding_give_cpus_values_without_nested_tensors():
+    # torch packs such a batch into a nested tensor and pads the result with zeros; rgpu runs
+    # the layers densely and zeroes the same positions, exactly when torch's fast path applies.
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 4 + [True]])
+    not_left_aligned = torch.tensor([[False] * 5, [True] + [False] * 4, [False] * 5])
+    float_pad = torch.zeros(3, 5).masked_fill(pad, float("-inf"))
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    seq_first = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0)
+    cases = [
+        (nn.TransformerEncoder(layer, 2), x, pad),
+        (nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(16)), x, float_pad),
+        (nn.TransformerEncoder(layer, 2), x, not_left_aligned),  # not packed
+        (nn.TransformerEncoder(seq_first, 2, norm=nn.LayerNorm(16)), x.transpose(0, 1), pad),
+    ]
+    for encoder, src, mask in cases:
+        encoder.eval()
+        with torch.no_grad():
+            expected = encoder(src, src_key_padding_mask=mask)
+            actual = copy.deepcopy(encoder).to(R)(src.to(R), src_key_padding_mask=mask.to(R))
+        same(actual, expected)
+    with torch.no_grad():  # packed on the CPU: the padding comes back zero
+        assert cases[0][0](x, src_key_padding_mask=pad)[2, 4].eq(0).all()
+    transformer = nn.Transformer(16, 4, 1, 1, 32, dropout=0.0, batch_first=True).eval()
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    with torch.no_grad():
+        expected = transformer(x, x, tgt_mask=causal, src_key_padding_mask=pad)
+        actual = copy.deepcopy(transformer).to(R)(x.to(R), x.to(R), tgt_mask=causal.to(R),
+                                                  src_key_padding_mask=pad.to(R))
+    same(actual, expected)
+    # Training, or gradients wanted: torch's dense path, gradients included.
+    encoder = nn.TransformerEncoder(layer, 2)
+    for train in (True, False):
+        encoder.train(train)
+        src = x.clone().requires_grad_()
+        rsrc = x.to(R).requires_grad_()
+        expected = encoder(src, src_key_padding_mask=pad)
+        actual = copy.deepcopy(encoder).to(R)(rsrc, src_key_padding_mask=pad.to(R))
+        expected.sum().backward()
+        actual.sum().backward()
+        same(actual, expected)
+        same(rsrc.grad, src.grad)
