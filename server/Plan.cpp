@@ -167,15 +167,26 @@ void conformToMeta(at::Tensor &t, const ir::TensorMeta &m) {
 at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta) {
   if (!t.defined() || (t.strides().equals(meta.strides) && t.storage_offset() == 0))
     return t;
+  // A layout that repeats elements (stride 0, as expand() makes) cannot be copied into: one of
+  // each is copied, then expanded.
+  std::vector<int64_t> once(meta.sizes.begin(), meta.sizes.end());
+  at::Tensor src = t;
+  bool repeats = false;
+  for (size_t d = 0; d < once.size(); ++d)
+    if (meta.strides[d] == 0 && once[d] > 1) {
+      once[d] = 1;
+      src = src.narrow(int64_t(d), 0, 1);
+      repeats = true;
+    }
   // The copy keeps the math bits the client believes this value has (a `_conj` view of a
   // slice, say): the client resolves them where CPU eager would.
-  at::Tensor r = at::empty_strided(meta.sizes, meta.strides, t.options());
+  at::Tensor r = at::empty_strided(once, meta.strides, t.options());
   if (t.is_conj())
     r = at::_conj(r);
   if (t.is_neg())
     r = at::_neg_view(r);
-  r.copy_(t);
-  return r;
+  r.copy_(src);
+  return repeats ? r.expand(meta.sizes) : r;
 }
 
 std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error, uint64_t maxValueBytes) {
@@ -392,8 +403,10 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   if (step.restrideOperands) {
     if (n.operands.empty())
       return "a strided view without a base";
-    if (std::string e = checkView(step, step.consts, *metas_[n.operands[0]]); !e.empty())
-      return e;
+    // A symbolic graph's sizes are blanks until a run gives them: resolve() checks its views.
+    if (graph_.symbolCount == 0)
+      if (std::string e = checkView(step, step.consts, *metas_[n.operands[0]]); !e.empty())
+        return e;
   }
   if (base == "aten::native_layer_norm_backward" || base == "aten::native_batch_norm_backward" ||
       base == "aten::batch_norm_backward") {

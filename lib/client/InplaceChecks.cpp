@@ -1,6 +1,8 @@
 #include "rgpu/client/InplaceChecks.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -84,6 +86,27 @@ bool addSignature(const c10::IValue &v, std::string &key) {
   return true;
 }
 
+/// Writing through a tensor whose elements share memory (an expand()): CPU's kernels refuse,
+/// except a few fills, which write a shared element again. torch's Python meta kernels check
+/// neither, and functionalization would turn the write into a sum over the copies
+/// (`x.expand(2, 3).add_(1)` added 2 to `x`). So functionalization's check of an in-place op
+/// refuses it with CPU's message, and those fills with rgpu's own (Python's `fill_` and `zero_`
+/// reach them with each repeated dimension narrowed to one element, and are CPU's).
+void refuseWritesThroughOverlap(const c10::OperatorHandle &op, const c10::IValue &self) {
+  if (!self.isTensor() || !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Functionalize))
+    return; // functionalization's check runs with functionalization switched off
+  const at::Tensor &t = self.toTensor();
+  if (!t.defined() || at::has_internal_overlap(t) != at::MemOverlap::Yes)
+    return;
+  const std::string &name = op.operator_name().name;
+  for (const char *accepted : {"aten::fill_", "aten::zero_", "aten::tril_", "aten::triu_",
+                               "aten::conj_physical_", "aten::masked_fill_", "aten::index_fill_"})
+    TORCH_CHECK(name != accepted, "rgpu: ", name, " writes through a tensor whose "
+                "elements share memory (an expand()), which rgpu cannot do as CPU eager does; "
+                "write to the tensor it expands, or clone() it first");
+  at::assert_no_internal_overlap(t);
+}
+
 /// The Meta kernel: the signatures that passed, and the check for new ones.
 class Memoized final : public c10::OperatorKernel {
 public:
@@ -93,6 +116,8 @@ public:
     const auto &schema = op.schema();
     const size_t nargs = schema.arguments().size();
     auto args = torch::jit::last(*stack, nargs);
+    if (nargs)
+      refuseWritesThroughOverlap(op, args[0]);
     std::string key;
     key.reserve(128);
     bool keyed = true;
@@ -151,6 +176,17 @@ void memoizeMetaCheck(const c10::OperatorName &op, MetaCheck check) {
   c10::WarningUtils::WarningHandlerGuard guard(&silent);
   lib->impl(name.c_str(),
             torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Memoized>(std::move(check))));
+}
+
+void guardMetaKernel(const c10::OperatorName &name) {
+  auto op = c10::Dispatcher::singleton().findOp(name);
+  if (!op || !op->hasComputedKernelForDispatchKey(c10::DispatchKey::Meta))
+    return;
+  auto kernel = std::make_shared<c10::SafeKernelFunction>(
+      op->getComputedKernelForDispatchKey(c10::DispatchKey::Meta));
+  memoizeMetaCheck(name, [kernel](const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+    kernel->callBoxed(op, c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
+  });
 }
 
 } // namespace rgpu::client

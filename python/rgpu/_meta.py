@@ -46,3 +46,7 @@ def memoize_inplace_meta_checks():
                     continue
                 _C._memoize_meta_check(op._schema.name, op._overloadname
                                        if op._overloadname != "default" else "", fn)
+    # In-place ops that CPU refuses on repeating tensors and torch checks in C++ Meta kernels
+    # that skip the check (lib/client/InplaceChecks.cpp).
+    for name, overload in (("copy_", ""), ("random_", ""), ("random_", "from"), ("random_", "to")):
+        _C._guard_meta_kernel("aten::" + name, overload)

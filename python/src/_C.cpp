@@ -256,6 +256,9 @@ PYBIND11_MODULE(_C, m) {
     rgpu::client::setCheckCppMetas(on);
   });
   m.def("_cpp_meta_ops", &rgpu::client::cppMetaOps);
+  m.def("_guard_meta_kernel", [](const std::string &name, const std::string &overload) {
+    guardMetaKernel({name, overload});
+  });
   // python/rgpu/_meta.py: \p check is torch's Python meta kernel of the in-place op; it runs
   // for signatures not seen before (InplaceChecks.h).
   m.def("_memoize_meta_check", [](const std::string &name, const std::string &overload,

@@ -209,3 +209,50 @@ def test_generation_under_inference_mode_matches_cpu():
         with torch.inference_mode():
             out.append(generate(model, prompt, 8, cache="static").cpu())
     assert torch.equal(out[0], out[1])
+
+
+def test_writes_through_expanded_views_fail_or_fill_as_on_cpu():
+    # CPU refuses an in-place op on a tensor whose elements share memory (an expand()), save a
+    # few fills. Functionalization would have summed the writes over the copies silently.
+    import pytest
+
+    for d in ("cpu", R):
+        x = torch.ones(3, device=d)
+        e = x.expand(2, 3)
+        for write in (lambda: e.add_(1), lambda: e.mul_(torch.ones(2, 3, device=d)),
+                      lambda: e.exp_(), lambda: e.copy_(torch.zeros(2, 3)),
+                      lambda: e.clamp_(max=0.5), lambda: e.normal_()):
+            with pytest.raises(RuntimeError, match="single memory location"):
+                write()
+        assert x.cpu().tolist() == [1.0, 1.0, 1.0], d
+    for fill in (lambda t: t.fill_(5.0), lambda t: t.zero_(), lambda t: torch.fill_(t, 2.0),
+                 lambda t: torch.nn.init.constant_(t, 3.0)):
+        cpu, dev = torch.ones(3, 1), torch.ones(3, 1).to(R)
+        fill(cpu.expand(3, 4))
+        fill(dev.expand(3, 4))
+        same(dev, cpu)
+        cpu_row, dev_row = torch.ones(3), torch.ones(3).to(R)
+        fill(cpu_row[None].expand(2, 3)[1:])  # a view of the expand
+        fill(dev_row[None].expand(2, 3)[1:])
+        same(dev_row, cpu_row)
+    # A fill CPU accepts that rgpu cannot reproduce is refused, never answered otherwise.
+    with pytest.raises(RuntimeError, match="share memory"):
+        torch.ones(3, 3, device=R).expand(2, 3, 3).tril_()
+
+
+def test_an_expand_of_a_sliced_view_reads_back():
+    # The server lays such a value out as the client's meta says: its repeated elements are
+    # copied once and expanded (a copy into a repeating layout is refused by ATen).
+    def fn(x):
+        e = x[1:].unsqueeze(0).expand(2, 3, 1)
+        return x[1:].expand(3, 2), e, e * 2
+
+    run_both(fn, torch.arange(4.0).reshape(4, 1))
+
+
+def test_as_strided_in_a_graph_that_goes_symbolic():
+    # Two sizes of one program make a symbolic graph; its as_strided view is checked against
+    # each run's sizes, not the symbolic graph's blanks.
+    for n in (4, 3, 5, 6):
+        x = torch.arange(n * 3.0).reshape(n, 3)
+        run_both(lambda t: (t + 1).as_strided((2,), (1,), 1) * 3, x)

@@ -28,4 +28,8 @@ using MetaCheck = std::function<void(const c10::OperatorHandle &, torch::jit::St
 /// first.
 void memoizeMetaCheck(const c10::OperatorName &op, MetaCheck check);
 
+/// The same memo, and the check of writes through repeating tensors, in front of \p op's
+/// C++ Meta kernel (torch has no Python one for it), which then runs for new signatures.
+void guardMetaKernel(const c10::OperatorName &op);
+
 } // namespace rgpu::client
