@@ -10,7 +10,6 @@ The server address comes from ``RGPU_OPSERVER`` or ``rgpu.set_server(...)``: ``u
 """
 
 import atexit
-import functools
 import logging
 import os
 
@@ -318,37 +317,6 @@ def _patch_copy_into_other_devices():
     torch.Tensor.copy_ = copy_
 
 
-def _repeats(t):
-    """Whether `t` shows one element at several places (a dimension of stride 0, as expand()
-    makes)."""
-    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
-
-
-def _patch_fills_through_expands():
-    # Functionalization writes through an expanded view as a sum over its copies
-    # (`x.expand(2, 3).fill_(5)` would make x 9); CPU writes each shared element again with the
-    # same value. Filling the view with each repeated dimension narrowed to one element writes
-    # every element once, which is what CPU's fill leaves. Other writes through a repeating
-    # tensor are refused at the call (lib/client/InplaceChecks.cpp).
-    def narrowed(t):
-        for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
-            if stride == 0 and size > 1:
-                t = t.narrow(d, 0, 1)
-        return t
-
-    for owner, name in ((torch.Tensor, "fill_"), (torch.Tensor, "zero_"), (torch, "fill_"),
-                        (torch, "zero_")):
-        original = getattr(owner, name)
-
-        def fill(self, *args, _original=original, **kwargs):
-            if isinstance(self, torch.Tensor) and self.device.type == "rgpu" and _repeats(self):
-                _original(narrowed(self), *args, **kwargs)
-                return self
-            return _original(self, *args, **kwargs)
-
-        setattr(owner, name, functools.wraps(original)(fill))
-
-
 def _refuse_local_inductor():
     # torch.compile's default backend compiles for this machine and fails deep inside Inductor
     # (KeyError: 'rgpu') on tensors it cannot place; say what to use instead.
@@ -368,12 +336,12 @@ def _refuse_local_inductor():
 
 _patch_printing()
 _patch_copy_into_other_devices()
-_patch_fills_through_expands()
 _refuse_local_inductor()
 
-from . import _fused, _nested, _rng, _transfer  # noqa: E402
+from . import _fused, _inplace, _nested, _rng, _transfer  # noqa: E402
 
 _transfer.install()
 _fused.install()
 _rng.install()
 _nested.install()
+_inplace.install()

@@ -256,3 +256,17 @@ def test_as_strided_in_a_graph_that_goes_symbolic():
     for n in (4, 3, 5, 6):
         x = torch.arange(n * 3.0).reshape(n, 3)
         run_both(lambda t: (t + 1).as_strided((2,), (1,), 1) * 3, x)
+
+
+def test_fill_diagonal_of_views_and_polygamma_in_place_match_cpu():
+    # torch fills a diagonal through an as_strided() of the tensor, which functionalization
+    # refuses on a view; polygamma_ has no functionalization kernel at all.
+    def fn(x):
+        x.t().fill_diagonal_(0.5)
+        x[1:].fill_diagonal_(-1.0)
+        x[:, 1:].polygamma_(1)
+        x.fill_diagonal_(7.0, wrap=True)
+        return x
+
+    run_both(fn, torch.arange(1.0, 22.0).reshape(7, 3) * 0.1)
+    run_both(lambda c: c[:, :, :].fill_diagonal_(2.0), torch.zeros(3, 3, 3))
