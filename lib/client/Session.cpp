@@ -209,7 +209,7 @@ void Session::reset() {
 }
 
 void Session::cutBeforeRng(const char *reason) {
-  if (randomPending_)
+  if (!randomNodes_.empty())
     cut(reason);
 }
 
@@ -488,8 +488,17 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
       outs.push_back({key.first, key.second, {}});
     outs[it->second].impls.push_back(impl);
   }
+  // A random op runs even if nothing holds its result: its draws advance the generator, as on
+  // CPU, so later draws are CPU's. Its first output is a result nobody holds (released at once).
+  llvm::DenseSet<TraceNode *> held;
+  for (const Out &o : outs)
+    held.insert(o.node);
+  for (const auto &node : randomNodes_)
+    if (held.insert(node.get()).second)
+      outs.push_back({node.get(), 0, {}});
+  const auto randomNodes = std::move(randomNodes_); // kept alive through this cut
+  randomNodes_.clear();
   nodesSinceCut_ = 0;
-  randomPending_ = false; // what is not cut now is dead and never runs
   CutOutputs placed;
   if (outs.empty()) {
     queueGeneratorDrops();
@@ -555,7 +564,7 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
     // Small outputs come back with the run's reply, so reading them later costs no wait. (A
     // download arrives dense: its bytes are the elements'.)
     const uint64_t bytes = uint64_t(data->meta.numel()) * ir::dtype::itemSize(data->meta.dtype);
-    if (wanted || (bytes <= kValueBytes && bytes <= valueBudget)) {
+    if (!outs[k].impls.empty() && (wanted || (bytes <= kValueBytes && bytes <= valueBudget))) {
       if (!wanted)
         valueBudget -= bytes;
       queueValue(data, outs[k].impls.front()->downloadLayout());

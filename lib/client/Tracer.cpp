@@ -877,6 +877,45 @@ void packPaddedSequence(const c10::OperatorHandle &op, torch::jit::Stack *stack)
   }
 }
 
+/// native_batch_norm writes its running statistics in training mode, but its schema does not
+/// say so and torch has no functionalization kernel for it: on rgpu the write happened on the
+/// server as a side effect of running the node, and was lost whenever nothing read the op's
+/// outputs (a forward whose result is dropped, torch.optim.swa_utils.update_bn), since such a
+/// node never runs. With running statistics in training it runs as _native_batch_norm_legit,
+/// whose schema names the writes, so functionalization gives the statistics their new values
+/// as traced results. Otherwise (no writes) it does what the generated kernel would.
+void nativeBatchNorm(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+  namespace fz = at::functionalization::impl;
+  auto args = torch::jit::last(*stack, 8);
+  if (args[5].toBool() && args[3].isTensor() && args[4].isTensor() &&
+      fz::isFunctionalTensor(args[3].toTensor()) && fz::isFunctionalTensor(args[4].toTensor())) {
+    at::Tensor input = args[0].toTensor(), mean = args[3].toTensor(), var = args[4].toTensor();
+    auto weight = args[1].toOptional<at::Tensor>(), bias = args[2].toOptional<at::Tensor>();
+    double momentum = args[6].toDouble(), eps = args[7].toDouble();
+    torch::jit::drop(*stack, 8);
+    at::AutoDispatchBelowADInplaceOrView below; // autograd recorded native_batch_norm already
+    auto [out, saveMean, saveInvstd] =
+        at::_native_batch_norm_legit(input, weight, bias, mean, var, true, momentum, eps);
+    torch::jit::push(*stack, std::move(out), std::move(saveMean), std::move(saveInvstd));
+    return;
+  }
+  const size_t base = stack->size() - op.schema().arguments().size();
+  for (size_t i = base; i < stack->size(); ++i) {
+    c10::IValue &v = (*stack)[i];
+    if (v.isTensor() && fz::isFunctionalTensor(v.toTensor())) {
+      fz::sync(v.toTensor());
+      v = fz::from_functional_tensor(v.toTensor());
+    }
+  }
+  {
+    c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::Functionalize);
+    op.callBoxed(stack);
+  }
+  for (size_t r = base; r < stack->size(); ++r)
+    if ((*stack)[r].isTensor())
+      (*stack)[r] = fz::to_functional_tensor((*stack)[r].toTensor());
+}
+
 /// True for a call whose tensors are meta tensors carrying rgpu's dispatch keys: fake tensors
 /// (dynamo, torch.compile) that describe rgpu tensors. They compute metadata only.
 bool isFakeCall(const c10::OperatorHandle &op, const torch::jit::Stack &stack) {
@@ -995,7 +1034,7 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   const c10::DeviceIndex device = rec.outputDevice();
   llvm::IntrusiveRefCntPtr<TraceNode> node = rec.node();
   if (info.random)
-    session.noteRandom();
+    session.noteRandom(node);
   node->location = location;
   node->seq = session.nextSeq();
 
@@ -1301,6 +1340,8 @@ TORCH_LIBRARY_IMPL(_, QuantizedPrivateUse1, m) {
 TORCH_LIBRARY_IMPL(aten, Functionalize, m) {
   m.impl("_pack_padded_sequence",
          torch::CppFunction::makeFromBoxedFunction<&rgpu::client::packPaddedSequence>());
+  m.impl("native_batch_norm",
+         torch::CppFunction::makeFromBoxedFunction<&rgpu::client::nativeBatchNorm>());
 }
 
 TORCH_LIBRARY_IMPL(aten, ADInplaceOrView, m) {

@@ -333,3 +333,33 @@ def test_transformer_encoders_in_eval_with_padding_give_cpus_values_without_nest
         actual.sum().backward()
         same(actual, expected)
         same(rsrc.grad, src.grad)
+
+
+def test_batchnorm_running_statistics_update_when_the_output_is_unused():
+    # native_batch_norm writes its running statistics without saying so in its schema: the
+    # write used to be a side effect of running the node, lost when nothing read the output
+    # (a forward whose result is dropped; swa_utils.update_bn).
+    from torch.optim.swa_utils import AveragedModel, update_bn
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, 3, 4, 4, generator=g) * (i + 1) + i for i in range(3)]
+    for make in (lambda: nn.BatchNorm2d(3), lambda: nn.BatchNorm2d(3, momentum=None),
+                 lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())):
+        torch.manual_seed(0)
+        cpu = make()
+        dev = copy.deepcopy(cpu).to(R)
+        for x in batches:
+            cpu(x)
+            dev(x.to(R))  # the result is dropped at once
+        for (name, b), (_, rb) in zip(cpu.named_buffers(), dev.named_buffers()):
+            same(rb, b)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    data = [(torch.randn(16, 4, generator=g),) for _ in range(3)]
+    averaged = {}
+    for device in ("cpu", R):
+        swa = AveragedModel(copy.deepcopy(model).to(device))
+        update_bn([(x.to(device),) for (x,) in data], swa)
+        averaged[device] = [b.cpu() for b in swa.buffers()]  # n_averaged is a CPU tensor
+    for b, c in zip(averaged[R], averaged["cpu"]):
+        torch.testing.assert_close(b, c)

@@ -190,6 +190,27 @@ def test_random_ops_draw_in_the_order_they_were_called():
         assert torch.equal(got, want)
 
 
+def test_random_ops_whose_results_are_unused_still_draw():
+    # On CPU an unused draw advances the generator; a lazy graph would drop the node, and every
+    # later draw would be shifted. Such a node is a result of its cut, released at once.
+    def draws(d):
+        torch.manual_seed(0)
+        x = torch.ones(4, 4, device=d)
+        torch.rand(3, device=d)  # in the middle of a trace
+        F.dropout(x, 0.5)
+        kept = torch.randn(5, device=d)
+        torch.randint(0, 10, (7,), device=d)  # the last op before the read
+        kept.sum().item()
+        return [kept.cpu(), torch.rand(2, device=d).cpu()]
+
+    rgpu.synchronize()
+    before = rgpu.server_stats()["session"]["tensors"]
+    for got, want in zip(draws(R), draws("cpu")):
+        assert torch.equal(got, want)
+    rgpu.synchronize()
+    assert rgpu.server_stats()["session"]["tensors"] <= before  # nothing unheld stays
+
+
 def test_rng_state_is_saved_and_restored_where_it_is_called():
     torch.manual_seed(11)
     assert torch.rgpu.initial_seed() == 11

@@ -179,8 +179,9 @@ public:
   /// torch.manual_seed: seeds the session's generator of every device. Ops traced before it
   /// draw before it: the trace is cut first if a random op is pending.
   void seed(uint64_t seed);
-  /// A random op was traced: what touches a generator's state cuts the trace first (only then).
-  void noteRandom() { randomPending_ = true; }
+  /// A random op was traced: what touches a generator's state cuts the trace first (only then),
+  /// and the next cut runs it even if nothing holds its result, so that it draws as on CPU.
+  void noteRandom(llvm::IntrusiveRefCntPtr<TraceNode> node) { randomNodes_.push_back(std::move(node)); }
   /// The state of the session's generator of \p device, after everything traced so far has
   /// drawn from it. One round trip.
   struct RngState {
@@ -377,8 +378,8 @@ private:
   LazyTensorImpl *head_ = nullptr;
   std::vector<Command> queue_;
   uint64_t nextGenerator_ = 1;
-  /// A random op was traced since the last cut (noteRandom).
-  bool randomPending_ = false;
+  /// The random ops traced since the last cut (noteRandom).
+  std::vector<llvm::IntrusiveRefCntPtr<TraceNode>> randomNodes_;
   /// Cuts the trace if a random op is pending: a command that reads or changes a generator's
   /// state must come after the runs that draw before it. Other pending ops stay pending (and
   /// fused with what follows).
