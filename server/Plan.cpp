@@ -164,6 +164,23 @@ void conformToMeta(at::Tensor &t, const ir::TensorMeta &m) {
 
 } // namespace
 
+std::string pythonTypeOf(const std::exception &e) {
+  // In torch's order of translation (torch/csrc/Exceptions.h): subclasses first.
+  if (dynamic_cast<const c10::OutOfMemoryError *>(&e))
+    return "OutOfMemoryError";
+  if (dynamic_cast<const c10::LinAlgError *>(&e))
+    return "LinAlgError";
+  if (dynamic_cast<const c10::IndexError *>(&e))
+    return "IndexError";
+  if (dynamic_cast<const c10::ValueError *>(&e))
+    return "ValueError";
+  if (dynamic_cast<const c10::TypeError *>(&e))
+    return "TypeError";
+  if (dynamic_cast<const c10::NotImplementedError *>(&e))
+    return "NotImplementedError";
+  return "";
+}
+
 at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta) {
   if (!t.defined() || (t.strides().equals(meta.strides) && t.storage_offset() == 0))
     return t;
@@ -704,7 +721,7 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
         const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
         upstream = std::make_shared<RemoteError>(
             RemoteError{node.op.str().str(), ce ? ce->what_without_backtrace() : e.what(),
-                        graph_.locations[node.loc], hash, step.node});
+                        graph_.locations[node.loc], hash, step.node, pythonTypeOf(e)});
         if (!first)
           first = upstream;
       }

@@ -34,7 +34,12 @@ struct RemoteError {
   std::string op, message, location;
   ir::Hash128 graph;
   uint32_t node = 0;
+  std::string pythonType; ///< wire::Error.pythonType: pythonTypeOf() the exception
 };
+
+/// The Python exception class torch raises for \p e ("IndexError" for a c10::IndexError, ...),
+/// or empty for a RuntimeError.
+std::string pythonTypeOf(const std::exception &e);
 using ErrorPtr = std::shared_ptr<const RemoteError>;
 
 /// A tensor held by a session, or the error that prevented computing it.

@@ -285,8 +285,9 @@ namespace {
 constexpr size_t kSessionIdBytes = 16;
 
 /// An error that belongs to no node: a bad handle, a refused graph, a failed download.
-ErrorPtr sessionError(std::string message) {
-  return std::make_shared<RemoteError>(RemoteError{"", std::move(message), ""});
+ErrorPtr sessionError(std::string message, std::string pythonType = "") {
+  return std::make_shared<RemoteError>(
+      RemoteError{"", std::move(message), "", {}, 0, std::move(pythonType)});
 }
 
 /// The longest a JoinGroup waits for the group's other servers (its worker waits with it).
@@ -566,7 +567,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         throw;
       } catch (const std::exception &e) {
         const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
-        fail(sessionError(ce ? ce->what_without_backtrace() : e.what()));
+        fail(sessionError(ce ? ce->what_without_backtrace() : e.what(), pythonTypeOf(e)));
         if (cmd.which() == wire::Command::DOWNLOAD && results.size() &&
             results.back().kind == wire::Result::DATA)
           results.back().data = nullptr;
@@ -623,6 +624,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
     e.setOp(pending_->op);
     e.setMessage(pending_->message);
     e.setLocation(pending_->location);
+    e.setPythonType(pending_->pythonType);
     wire::encodeHash(pending_->graph, e.initGraph());
     e.setNode(pending_->node);
     pending_.reset();
@@ -1113,7 +1115,8 @@ void Session::upload(wire::Upload::Reader r) {
       // Over a quota, or out of memory: the upload's chunks are taken and dropped, and its
       // handle holds the error; the session goes on.
       part->error = sessionError("upload of " + memory::sizeText(total) + " for handle " +
-                                 std::to_string(handle) + ": " + e.what_without_backtrace());
+                                     std::to_string(handle) + ": " + e.what_without_backtrace(),
+                                 pythonTypeOf(e));
       fail(part->error);
     }
   }
@@ -1134,7 +1137,8 @@ void Session::upload(wire::Upload::Reader r) {
     e.tensor = dev.is_cpu() ? part->cpu : device::toDevice(part->cpu, dev);
   } catch (const c10::Error &err) { // CUDA out of memory
     e.error = sessionError("upload of " + memory::sizeText(total) + " for handle " +
-                           std::to_string(handle) + ": " + err.what_without_backtrace());
+                               std::to_string(handle) + ": " + err.what_without_backtrace(),
+                           pythonTypeOf(err));
     fail(e.error);
   }
   partial_.erase(handle);

@@ -41,9 +41,9 @@ constexpr size_t kMaxInFlightFrames = 64;
 void setErrorRaiser(ErrorRaiser raiser) { gRaiser = raiser; }
 void setLocationProvider(LocationProvider provider) { gLocation = provider; }
 
-void raise(ErrorKind kind, const std::string &message) {
+void raise(ErrorKind kind, const std::string &message, const std::string &pythonType) {
   if (gRaiser)
-    gRaiser(kind, message);
+    gRaiser(kind, message, pythonType);
   throw std::runtime_error(message);
 }
 
@@ -185,6 +185,7 @@ void Session::reset() {
   lastRuns_.clear();
   inflight_.clear();
   deferredError_.clear();
+  deferredErrorType_.clear();
   lastReply_ = 0;
   queue_.clear();
   releases_.clear();
@@ -1150,7 +1151,7 @@ Session::Reply Session::flush(bool wantReply) {
   Reply results = absorb(answer, &targets, seq);
   raiseDeferred();
   if (!results.error.empty())
-    raise(ErrorKind::Remote, results.error);
+    raise(ErrorKind::Remote, results.error, results.errorType);
   return results;
 }
 
@@ -1222,7 +1223,7 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
   Reply results;
   Targets answered;
   const Targets *targets = own;
-  std::string error;
+  std::string error, errorType;
   bool fatal = false;
   try {
     auto reader = net::openFrame(frame, transport_.limits());
@@ -1346,6 +1347,7 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
       log(20, "rgpu-opserver: " + std::string(note.cStr()));
     if (sf.hasError()) {
       error = describe(sf.getError());
+      errorType = sf.getError().getPythonType();
       fatal = sf.getError().getKind() != wire::Error::Kind::REMOTE;
     }
     if (own && ack != ownSeq && !fatal) {
@@ -1358,10 +1360,13 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
   }
   if (fatal)
     lose(error);
-  if (own)
+  if (own) {
     results.error = std::move(error);
-  else if (deferredError_.empty())
+    results.errorType = std::move(errorType);
+  } else if (deferredError_.empty()) {
     deferredError_ = std::move(error);
+    deferredErrorType_ = std::move(errorType);
+  }
   return results;
 }
 
@@ -1438,9 +1443,10 @@ void Session::queueValue(const llvm::IntrusiveRefCntPtr<DeviceData> &data,
 void Session::raiseDeferred() {
   if (deferredError_.empty())
     return;
-  std::string error;
+  std::string error, type;
   error.swap(deferredError_);
-  raise(ErrorKind::Remote, error);
+  type.swap(deferredErrorType_);
+  raise(ErrorKind::Remote, error, type);
 }
 
 bool Session::hasValue(LazyTensorImpl *impl) {

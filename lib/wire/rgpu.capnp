@@ -246,6 +246,9 @@ struct Error {
   kind @3 :Kind;
   graph @4 :Hash;        # the graph and node that failed, so the client can name the user's
   node @5 :UInt32;       # line as of its latest run (locations are not part of the hash)
+  pythonType @6 :Text;   # the Python exception CPU eager raises for this failure: "IndexError",
+                         # "ValueError", "TypeError", "NotImplementedError", "LinAlgError",
+                         # "OutOfMemoryError", or empty (RuntimeError); any other is ignored
   enum Kind {
     remote @0;           # an op failed; the session goes on
     protocol @1;         # the frame was malformed; the server closes the connection

@@ -39,7 +39,22 @@ logger = logging.getLogger("rgpu")
 
 
 class RemoteError(RuntimeError):
-    """An aten op failed on the server. The message names the op and your source line."""
+    """An aten op failed on the server. The message names the op and your source line.
+
+    Where CPU eager raises a more specific exception for the same failure (``IndexError`` for
+    an index out of range, ``torch.linalg.LinAlgError``, ``torch.OutOfMemoryError``, ...), the
+    error is an instance of that class too, so ``except IndexError:`` catches it as on CPU."""
+
+
+def _remote_errors():
+    """Per Python exception the server may name, RemoteError's subclass that is also one."""
+    bases = {"IndexError": IndexError, "ValueError": ValueError, "TypeError": TypeError,
+             "NotImplementedError": NotImplementedError,
+             "LinAlgError": torch.linalg.LinAlgError, "OutOfMemoryError": torch.OutOfMemoryError}
+    return {name: type(f"Remote{name}", (RemoteError, base),
+                       {"__module__": __name__, "__doc__": f"A RemoteError that CPU eager "
+                                                           f"raises as {base.__name__}."})
+            for name, base in bases.items()}
 
 
 class SessionLost(RuntimeError):
@@ -96,6 +111,7 @@ from . import device as _device_module  # noqa: E402
 
 _C._install(
     RemoteError,
+    _remote_errors(),
     SessionLost,
     AuthenticationError,
     os.path.dirname(torch.__file__) + os.sep,

@@ -18,12 +18,16 @@
 
 #include <llvm/ADT/DenseMap.h>
 
+#include <unordered_map>
+
 namespace py = pybind11;
 using namespace rgpu::client;
 
 namespace {
 
 PyObject *gRemoteError = nullptr;
+/// Per wire::Error.pythonType, rgpu.RemoteError's subclass that is also that Python exception.
+std::unordered_map<std::string, PyObject *> gRemoteErrors;
 PyObject *gSessionLost = nullptr;
 PyObject *gAuthError = nullptr;
 std::string gSkipPrefixes[2]; // torch's and rgpu's own directories
@@ -32,17 +36,22 @@ std::string gSkipPrefixes[2]; // torch's and rgpu's own directories
 /// lock held; torch's bindings (and ours, through the translator registered below) set the
 /// Python exception once the stack has unwound, so no lock is held while the GIL is taken.
 struct RgpuError : torch::PyTorchError {
-  RgpuError(ErrorKind kind, std::string message) : PyTorchError(std::move(message)), kind(kind) {}
+  RgpuError(ErrorKind kind, std::string message, std::string pythonType)
+      : PyTorchError(std::move(message)), kind(kind), pythonType(std::move(pythonType)) {}
   PyObject *python_type() override {
-    return kind == ErrorKind::Remote ? gRemoteError
-           : kind == ErrorKind::Auth ? gAuthError
-                                     : gSessionLost;
+    if (kind == ErrorKind::Remote) {
+      auto it = gRemoteErrors.find(pythonType);
+      return it != gRemoteErrors.end() ? it->second : gRemoteError;
+    }
+    return kind == ErrorKind::Auth ? gAuthError : gSessionLost;
   }
   ErrorKind kind;
+  std::string pythonType;
 };
 
-[[noreturn]] void raisePython(ErrorKind kind, const std::string &message) {
-  throw RgpuError(kind, message);
+[[noreturn]] void raisePython(ErrorKind kind, const std::string &message,
+                              const std::string &pythonType) {
+  throw RgpuError(kind, message, pythonType);
 }
 
 extern "C" { // frames.c
@@ -170,9 +179,11 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(e.python_type(), e.what());
     }
   });
-  m.def("_install", [](py::object remoteError, py::object sessionLost, py::object authError,
-                       std::string torchDir, std::string rgpuDir) {
+  m.def("_install", [](py::object remoteError, py::dict remoteErrors, py::object sessionLost,
+                       py::object authError, std::string torchDir, std::string rgpuDir) {
     gRemoteError = remoteError.release().ptr();
+    for (auto [name, type] : remoteErrors)
+      gRemoteErrors[name.cast<std::string>()] = py::reinterpret_borrow<py::object>(type).release().ptr();
     gSessionLost = sessionLost.release().ptr();
     gAuthError = authError.release().ptr();
     gSkipPrefixes[0] = std::move(torchDir);

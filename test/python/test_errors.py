@@ -75,6 +75,27 @@ def test_a_failure_only_the_data_reveals_names_the_op_and_the_users_line():
     same(x.sum(dim=0) * 0 + 1, torch.ones(3))
 
 
+def test_a_remote_failure_is_also_the_exception_cpu_eager_raises():
+    # `except IndexError:` written for CPU catches the same failure found on the server.
+    cases = [
+        (IndexError, lambda d: torch.nn.functional.embedding(
+            torch.tensor([12], device=d), torch.ones(10, 3, device=d))),
+        (IndexError, lambda d: torch.nn.functional.cross_entropy(
+            torch.ones(2, 3, device=d), torch.tensor([0, 5], device=d))),
+        (torch.linalg.LinAlgError, lambda d: torch.linalg.cholesky_ex(
+            -torch.eye(2, device=d), check_errors=True).L),
+        (RuntimeError, lambda d: torch.multinomial(torch.tensor([-1.0, 2.0], device=d), 1)),
+    ]
+    for expected, fn in cases:
+        with pytest.raises(expected) as on_cpu:
+            fn("cpu")
+        with pytest.raises(rgpu.RemoteError) as on_rgpu:
+            fn(R).cpu()
+        assert isinstance(on_rgpu.value, expected), (type(on_rgpu.value).__mro__, expected)
+        assert type(on_cpu.value) in type(on_rgpu.value).__mro__
+        assert str(on_cpu.value).splitlines()[0] in str(on_rgpu.value)
+
+
 def test_the_users_line_is_found_in_generators_threads_and_code_run_again():
     import threading
 

@@ -40,10 +40,13 @@ struct Stats {
 
 /// How errors reach the user; the Python glue replaces the default (std::runtime_error) so that
 /// they surface as rgpu.RemoteError and rgpu.SessionLost.
+/// A remote error may name the Python exception CPU eager raises for it (wire::Error.pythonType:
+/// "IndexError", ...); it is raised as an rgpu.RemoteError that is also one of those.
 enum class ErrorKind { Remote, SessionLost, Auth };
-using ErrorRaiser = void (*)(ErrorKind, const std::string &);
+using ErrorRaiser = void (*)(ErrorKind, const std::string &message, const std::string &pythonType);
 void setErrorRaiser(ErrorRaiser raiser);
-[[noreturn]] void raise(ErrorKind kind, const std::string &message);
+[[noreturn]] void raise(ErrorKind kind, const std::string &message,
+                        const std::string &pythonType = {});
 
 /// Returns the id of the user's current source line (see Session::location); set by Python.
 using LocationProvider = uint32_t (*)();
@@ -306,7 +309,8 @@ private:
     std::vector<DeviceMemory> memory;               ///< Memory requests.
     std::vector<std::string> texts;                 ///< HostStore and JoinGroup answers.
     std::vector<RngState> rngStates;                ///< RngState requests.
-    std::string error;                              ///< A remote error, described.
+    std::string error;                              ///< A remote error, described,
+    std::string errorType;                          ///< and its wire::Error.pythonType.
   };
   /// Per graph, the inputs and scalars of the latest Run sent: the next one says only what
   /// changed (wire::Run.relative). The server keeps the same until a Forget.
@@ -356,7 +360,7 @@ private:
   void queueValue(const llvm::IntrusiveRefCntPtr<DeviceData> &data, const ir::TensorMeta &layout);
   /// Raises the remote error an unawaited reply brought, once.
   void raiseDeferred();
-  std::string deferredError_;
+  std::string deferredError_, deferredErrorType_;
   uint64_t lastReply_ = 0; ///< The last frame whose reply was read (ClientFrame.received).
   /// When the latest step replies were read: the rate at which server and link finish steps.
   std::deque<std::chrono::steady_clock::time_point> stepReplies_;
