@@ -107,6 +107,23 @@ void refuseWritesThroughOverlap(const c10::OperatorHandle &op, const c10::IValue
   at::assert_no_internal_overlap(t);
 }
 
+/// Notes \p self's layout for the functional form of in-place \p op (InplaceChecks.h).
+void noteLayout(const c10::OperatorHandle &op, const c10::IValue &self) {
+  const std::string &name = op.operator_name().name;
+  if (!self.isTensor() || name.empty() || name.back() != '_' ||
+      !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Functionalize))
+    return;
+  const at::Tensor &t = self.toTensor();
+  if (!t.defined() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides())
+    return;
+  InplaceLayout &l = inplaceLayout();
+  l.functional = {name.substr(0, name.size() - 1), op.operator_name().overload_name};
+  l.sizes.assign(t.sizes().begin(), t.sizes().end());
+  l.strides.assign(t.strides().begin(), t.strides().end());
+  l.pending = true;
+  l.opsSince = 0;
+}
+
 /// The Meta kernel: the signatures that passed, and the check for new ones.
 class Memoized final : public c10::OperatorKernel {
 public:
@@ -129,6 +146,7 @@ public:
       std::lock_guard<std::mutex> lock(mu_);
       auto it = passed_.find(key);
       if (it != passed_.end()) {
+        noteLayout(op, self);
         torch::jit::drop(*stack, nargs);
         if (it->second)
           stack->push_back(std::move(self));
@@ -137,6 +155,7 @@ public:
     }
     const size_t base = stack->size() - nargs;
     check_(op, stack); // raises if the op is invalid on these arguments
+    noteLayout(op, self);
     // Remembered only when it answered as in-place ops do: `self`, or nothing.
     const size_t results = stack->size() - base;
     bool returnsSelf = results == 1 && self.isTensor() && (*stack)[base].isTensor() &&
@@ -176,6 +195,21 @@ void memoizeMetaCheck(const c10::OperatorName &op, MetaCheck check) {
   c10::WarningUtils::WarningHandlerGuard guard(&silent);
   lib->impl(name.c_str(),
             torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Memoized>(std::move(check))));
+}
+
+InplaceLayout &inplaceLayout() {
+  thread_local InplaceLayout layout;
+  return layout;
+}
+
+std::optional<std::vector<int64_t>> InplaceLayout::take(const c10::OperatorName &op,
+                                                        c10::IntArrayRef sizes_) {
+  if (!pending || op != functional)
+    return std::nullopt;
+  pending = false;
+  if (sizes_ != c10::IntArrayRef(sizes))
+    return std::nullopt;
+  return strides;
 }
 
 void guardMetaKernel(const c10::OperatorName &name) {

@@ -10,6 +10,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "rgpu/client/Generator.h"
+#include "rgpu/client/InplaceChecks.h"
 #include "rgpu/client/LazyTensor.h"
 #include "rgpu/client/MetaKernels.h"
 #include "rgpu/client/Session.h"
@@ -774,6 +775,12 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
     if (!src.device().is_cpu() || lazyImpl(src) || src.sizes() != self.sizes() ||
         src.scalar_type() != self.scalar_type())
       return false;
+    // `x.t().copy_(cpu)` keeps the view's layout (InplaceChecks.h): the upload takes it.
+    if (auto strides = inplaceLayout().take(op.operator_name(), src.sizes())) {
+      at::Tensor laid = at::empty_strided(src.sizes(), *strides, src.options());
+      if (laid.is_non_overlapping_and_dense())
+        src = laid.copy_(src);
+    }
     ir::TensorMeta meta;
     c10::DeviceIndex index = self.device().index();
     Value v = Session::get().upload(src, meta, index);
@@ -916,6 +923,15 @@ void nativeBatchNorm(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
       (*stack)[r] = fz::to_functional_tensor((*stack)[r].toTensor());
 }
 
+/// The functional form of the in-place op functionalization just checked gives its result the
+/// layout the in-place op keeps (InplaceChecks.h).
+void keepInplaceLayout(const c10::OperatorHandle &op, llvm::SmallVectorImpl<ir::TensorMeta> &outputs) {
+  if (outputs.empty())
+    return;
+  if (auto strides = inplaceLayout().take(op.operator_name(), outputs[0].sizes))
+    outputs[0].strides.assign(strides->begin(), strides->end());
+}
+
 /// True for a call whose tensors are meta tensors carrying rgpu's dispatch keys: fake tensors
 /// (dynamo, torch.compile) that describe rgpu tensors. They compute metadata only.
 bool isFakeCall(const c10::OperatorHandle &op, const torch::jit::Stack &stack) {
@@ -1014,6 +1030,7 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   CustomOps::get().registerPending();
   if (isFakeCall(op, *stack))
     return op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
+  inplaceLayout().traced();
   Session &session = Session::get();
   // The user's line is found before taking the session lock: finding it takes the GIL.
   uint32_t location = session.currentLocation();
@@ -1043,10 +1060,11 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   if (traced) {
     const OpMetas &metas = *traced;
     node->node.outputs.assign(metas.outputs.begin(), metas.outputs.end());
+    keepInplaceLayout(op, node->node.outputs);
     for (uint32_t i = 0; i < metas.outputs.size(); ++i)
       outs.push_back(metas.outputs[i].dtype == ir::dtype::Undefined
                          ? at::Tensor()
-                         : makeLazy(Value{node, i, nullptr}, metas.outputs[i], device,
+                         : makeLazy(Value{node, i, nullptr}, node->node.outputs[i], device,
                                     metas.bits[i]));
     listSizes = metas.listSizes;
   } else {

@@ -270,3 +270,21 @@ def test_fill_diagonal_of_views_and_polygamma_in_place_match_cpu():
 
     run_both(fn, torch.arange(1.0, 22.0).reshape(7, 3) * 0.1)
     run_both(lambda c: c[:, :, :].fill_diagonal_(2.0), torch.zeros(3, 3, 3))
+
+
+def test_in_place_ops_keep_their_tensors_layout():
+    # The functional forms of masked_fill_, cumsum_, tril_ return contiguous results on the
+    # CPU; the in-place ops keep their tensor's strides, and so does rgpu.
+    ops = [lambda t: t.masked_fill_(t > 0.5, 0.0), lambda t: t.cumsum_(0), lambda t: t.cumprod_(1),
+           lambda t: t.tril_(), lambda t: t.triu_(1), lambda t: t.add_(1),
+           lambda t: t.copy_(torch.ones(t.shape))]
+    for op in ops:
+        for view in (lambda x: x.t(), lambda x: x[:, ::2], lambda x: x.t()[1:], lambda x: x):
+            cpu_base = torch.arange(12.0).reshape(4, 3) * 0.1
+            dev_base = cpu_base.to(R)
+            cpu, dev = view(cpu_base), view(dev_base)
+            op(cpu)
+            op(dev)
+            assert dev.stride() == cpu.stride() and dev.is_contiguous() == cpu.is_contiguous()
+            same(dev, cpu)
+            same(dev_base, cpu_base)

@@ -17,6 +17,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <functional>
+#include <optional>
+#include <vector>
 
 namespace rgpu::client {
 
@@ -27,6 +29,28 @@ using MetaCheck = std::function<void(const c10::OperatorHandle &, torch::jit::St
 /// kernel that remembers the signatures \p check accepted. Registering an op twice keeps the
 /// first.
 void memoizeMetaCheck(const c10::OperatorName &op, MetaCheck check);
+
+/// An in-place op keeps its tensor's layout; its functional form, which functionalization runs
+/// instead, may not (CPU's masked_fill, cumsum, tril return contiguous results): after
+/// `x.t().masked_fill_(m, 0)` the view would report contiguous strides. Functionalization's
+/// check of the in-place op (below) notes the layout, and the tracer gives it to the functional
+/// form's result when that op is traced on this thread within the next few ops (the view
+/// replays functionalization traces first).
+struct InplaceLayout {
+  c10::OperatorName functional{"", ""};
+  std::vector<int64_t> sizes, strides;
+  bool pending = false;
+  uint32_t opsSince = 0;
+  /// The strides for the result of \p op of \p sizes, if it is the pending functional form.
+  std::optional<std::vector<int64_t>> take(const c10::OperatorName &op, c10::IntArrayRef sizes);
+  /// Counts a traced op; a layout nobody took within a few ops is dropped.
+  void traced() {
+    if (pending && ++opsSince > kMaxOps)
+      pending = false;
+  }
+  static constexpr uint32_t kMaxOps = 8;
+};
+InplaceLayout &inplaceLayout();
 
 /// The same memo, and the check of writes through repeating tensors, in front of \p op's
 /// C++ Meta kernel (torch has no Python one for it), which then runs for new signatures.
