@@ -474,7 +474,8 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         if (r.getSet()) {
           auto bytes = r.getState();
           at::Tensor state = at::empty({int64_t(bytes.size())}, at::kByte);
-          std::memcpy(state.data_ptr(), bytes.begin(), bytes.size());
+          if (bytes.size()) // an empty Data reads as a null pointer, which memcpy may not take
+            std::memcpy(state.data_ptr(), bytes.begin(), bytes.size());
           g.set_state(state); // checks the size and the values, as torch.cuda.set_rng_state
         }
         at::Tensor state = g.get_state().contiguous();
