@@ -1,5 +1,8 @@
 #include "rgpu/client/InplaceChecks.h"
+#include "rgpu/client/LazyTensor.h"
 
+#include <ATen/ATen.h>
+#include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -195,6 +198,119 @@ void memoizeMetaCheck(const c10::OperatorName &op, MetaCheck check) {
   c10::WarningUtils::WarningHandlerGuard guard(&silent);
   lib->impl(name.c_str(),
             torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Memoized>(std::move(check))));
+}
+
+namespace {
+
+/// The meta twin of \p t (functional or not), with its sizes, strides and math bits.
+at::Tensor metaTwin(const at::Tensor &t) {
+  namespace fz = at::functionalization::impl;
+  if (!t.defined())
+    return t;
+  const at::Tensor &v = fz::isFunctionalTensor(t) ? fz::from_functional_tensor(t) : t;
+  at::Tensor m = at::empty_strided(v.sizes(), v.strides(), v.options().device(at::kMeta));
+  if (v.is_conj())
+    m = m.conj();
+  if (v.is_neg())
+    m = m._neg_view();
+  return m;
+}
+
+bool isRgpu(const c10::IValue &v) {
+  namespace fz = at::functionalization::impl;
+  if (!v.isTensor() || !fz::isFunctionalTensor(v.toTensor()))
+    return false;
+  return lazyImpl(fz::from_functional_tensor(v.toTensor())) != nullptr;
+}
+
+class OutCheck final : public c10::OperatorKernel {
+public:
+  explicit OutCheck(c10::SafeKernelFunction original) : original_(std::move(original)) {}
+
+  void operator()(const c10::OperatorHandle &op, c10::DispatchKeySet keys,
+                  torch::jit::Stack *stack) {
+    const auto &args = op.schema().arguments();
+    auto values = torch::jit::last(*stack, args.size());
+    bool rgpu = false;
+    for (size_t i = 0; i < args.size() && !rgpu; ++i)
+      rgpu = args[i].is_out() && isRgpu(values[i]);
+    if (rgpu)
+      check(op, values);
+    original_.callBoxed(op, keys, stack);
+  }
+
+private:
+  void check(const c10::OperatorHandle &op, c10::ArrayRef<c10::IValue> values) {
+    std::string key;
+    for (const c10::IValue &v : values)
+      if (!addSignature(v, key))
+        return; // a symbolic size or a generator: left to the op
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (passed_.count(key))
+        return;
+    }
+    torch::jit::Stack twin;
+    for (const c10::IValue &v : values) {
+      if (v.isTensor())
+        twin.emplace_back(metaTwin(v.toTensor()));
+      else if (v.isTensorList()) {
+        c10::List<at::Tensor> list;
+        for (const at::Tensor &t : v.toTensorList())
+          list.push_back(metaTwin(t));
+        twin.emplace_back(std::move(list));
+      } else
+        twin.push_back(v);
+    }
+    try {
+      at::AutoDispatchSkipFunctionalize skip;
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &twin);
+    } catch (const c10::NotImplementedError &) {
+      return; // no meta kernel: nothing to check with
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (passed_.size() >= kMaxSignatures)
+      passed_.clear();
+    passed_.insert(std::move(key));
+  }
+
+  static constexpr size_t kMaxSignatures = 4096;
+  c10::SafeKernelFunction original_;
+  std::mutex mu_;
+  std::set<std::string> passed_;
+};
+
+} // namespace
+
+void checkOutOps() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static torch::Library *lib = new torch::Library(torch::Library::IMPL, "aten",
+                                                    c10::DispatchKey::Functionalize, __FILE__,
+                                                    __LINE__);
+    struct Silent : c10::WarningHandler {
+      void process(const c10::Warning &) override {}
+    } silent;
+    c10::WarningUtils::WarningHandlerGuard guard(&silent); // "overriding a kernel": the point
+    auto &dispatcher = c10::Dispatcher::singleton();
+    for (const c10::OperatorName &name : dispatcher.getAllOpNames()) {
+      if (name.name.rfind("aten::", 0) != 0)
+        continue;
+      auto op = dispatcher.findOp(name);
+      if (!op || !op->hasSchema() ||
+          !op->hasComputedKernelForDispatchKey(c10::DispatchKey::Functionalize))
+        continue;
+      const auto &args = op->schema().arguments();
+      if (std::none_of(args.begin(), args.end(), [](const c10::Argument &a) { return a.is_out(); }))
+        continue;
+      std::string impl = name.name.substr(6);
+      if (!name.overload_name.empty())
+        impl += "." + name.overload_name;
+      lib->impl(impl.c_str(),
+                torch::CppFunction::makeFromBoxedFunctor(std::make_unique<OutCheck>(
+                    op->getComputedKernelForDispatchKey(c10::DispatchKey::Functionalize))));
+    }
+  });
 }
 
 InplaceLayout &inplaceLayout() {

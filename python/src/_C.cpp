@@ -191,6 +191,7 @@ PYBIND11_MODULE(_C, m) {
     setErrorRaiser(&raisePython);
     setLocationProvider(&userLocation);
     registerWholeOps();
+    checkOutOps();
   });
   m.def("set_server", [](std::string address) {
     Session::Lock lock(Session::get());

@@ -288,3 +288,20 @@ def test_in_place_ops_keep_their_tensors_layout():
             assert dev.stride() == cpu.stride() and dev.is_contiguous() == cpu.is_contiguous()
             same(dev, cpu)
             same(dev_base, cpu_base)
+
+
+def test_out_refuses_a_result_its_dtype_cannot_hold_as_on_cpu():
+    # Functionalization would convert the result to the out tensor's dtype silently.
+    import pytest
+
+    for d in ("cpu", R):
+        ints = torch.tensor([1, 2], device=d)
+        with pytest.raises(RuntimeError, match="cast"):
+            torch.add(ints, 1.5, out=ints)
+        flags = torch.tensor([True, False], device=d)
+        with pytest.raises(RuntimeError, match="cast"):
+            torch.mul(flags, 2, out=flags)
+        assert ints.cpu().tolist() == [1, 2] and flags.cpu().tolist() == [True, False]
+    # Safe casts and resizes go on as on the CPU.
+    run_both(lambda f, i: torch.add(i, 1, out=f), torch.zeros(2), torch.tensor([1, 2]))
+    run_both(lambda e: torch.mul(torch.ones(3, device=e.device), 2, out=e), torch.empty(0))

@@ -52,6 +52,15 @@ struct InplaceLayout {
 };
 InplaceLayout &inplaceLayout();
 
+/// Functionalization checks in-place ops on meta tensors but not `out=` ops, and it gives an
+/// out= tensor the op's result converted to the tensor's dtype, whatever it was: on rgpu
+/// `torch.add(ints, 1.5, out=ints)` truncated where CPU raises "result type Float can't be
+/// cast to the desired output type Long". This puts, in front of the Functionalize kernel of
+/// every aten out= op, the check functionalization makes for in-place ops: the op run on meta
+/// twins (torch's meta kernels refuse unsafe casts), remembered per signature. Only calls whose
+/// out tensors are rgpu's are checked.
+void checkOutOps();
+
 /// The same memo, and the check of writes through repeating tensors, in front of \p op's
 /// C++ Meta kernel (torch has no Python one for it), which then runs for new signatures.
 void guardMetaKernel(const c10::OperatorName &op);
