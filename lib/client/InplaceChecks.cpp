@@ -123,6 +123,7 @@ void noteLayout(const c10::OperatorHandle &op, const c10::IValue &self) {
   l.functional = {name.substr(0, name.size() - 1), op.operator_name().overload_name};
   l.sizes.assign(t.sizes().begin(), t.sizes().end());
   l.strides.assign(t.strides().begin(), t.strides().end());
+  l.dtype = t.scalar_type();
   l.pending = true;
   l.opsSince = 0;
 }
@@ -319,10 +320,13 @@ InplaceLayout &inplaceLayout() {
 }
 
 std::optional<std::vector<int64_t>> InplaceLayout::take(const c10::OperatorName &op,
-                                                        c10::IntArrayRef sizes_) {
+                                                        c10::IntArrayRef sizes_,
+                                                        c10::ScalarType result) {
   if (!pending || op != functional)
     return std::nullopt;
   pending = false;
+  TORCH_CHECK(c10::canCast(result, dtype), "result type ", result,
+              " can't be cast to the desired output type ", dtype);
   if (sizes_ != c10::IntArrayRef(sizes))
     return std::nullopt;
   return strides;

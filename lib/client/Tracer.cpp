@@ -776,7 +776,7 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
         src.scalar_type() != self.scalar_type())
       return false;
     // `x.t().copy_(cpu)` keeps the view's layout (InplaceChecks.h): the upload takes it.
-    if (auto strides = inplaceLayout().take(op.operator_name(), src.sizes())) {
+    if (auto strides = inplaceLayout().take(op.operator_name(), src.sizes(), self.scalar_type())) {
       at::Tensor laid = at::empty_strided(src.sizes(), *strides, src.options());
       if (laid.is_non_overlapping_and_dense())
         src = laid.copy_(src);
@@ -928,7 +928,8 @@ void nativeBatchNorm(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
 void keepInplaceLayout(const c10::OperatorHandle &op, llvm::SmallVectorImpl<ir::TensorMeta> &outputs) {
   if (outputs.empty())
     return;
-  if (auto strides = inplaceLayout().take(op.operator_name(), outputs[0].sizes))
+  if (auto strides = inplaceLayout().take(op.operator_name(), outputs[0].sizes,
+                                          bridge::scalarType(outputs[0].dtype)))
     outputs[0].strides.assign(strides->begin(), strides->end());
 }
 

@@ -290,7 +290,7 @@ def test_in_place_ops_keep_their_tensors_layout():
             same(dev_base, cpu_base)
 
 
-def test_out_refuses_a_result_its_dtype_cannot_hold_as_on_cpu():
+def test_out_and_in_place_ops_refuse_a_result_their_dtype_cannot_hold_as_on_cpu():
     # Functionalization would convert the result to the out tensor's dtype silently.
     import pytest
 
@@ -301,6 +301,11 @@ def test_out_refuses_a_result_its_dtype_cannot_hold_as_on_cpu():
         flags = torch.tensor([True, False], device=d)
         with pytest.raises(RuntimeError, match="cast"):
             torch.mul(flags, 2, out=flags)
+        # In-place ops too: torch's Python meta kernels do not check, functionalization casts.
+        with pytest.raises(RuntimeError, match="cast"):
+            flags.mul_(2)
+        with pytest.raises(RuntimeError, match="cast"):
+            ints.mul_(1.5)
         assert ints.cpu().tolist() == [1, 2] and flags.cpu().tolist() == [True, False]
     # Safe casts and resizes go on as on the CPU.
     run_both(lambda f, i: torch.add(i, 1, out=f), torch.zeros(2), torch.tensor([1, 2]))

@@ -39,10 +39,14 @@ void memoizeMetaCheck(const c10::OperatorName &op, MetaCheck check);
 struct InplaceLayout {
   c10::OperatorName functional{"", ""};
   std::vector<int64_t> sizes, strides;
+  c10::ScalarType dtype = c10::ScalarType::Undefined; ///< the tensor's, which the result must fit
   bool pending = false;
   uint32_t opsSince = 0;
   /// The strides for the result of \p op of \p sizes, if it is the pending functional form.
-  std::optional<std::vector<int64_t>> take(const c10::OperatorName &op, c10::IntArrayRef sizes);
+  /// Raises CPU's error if that result's \p dtype cannot be cast to the tensor's (`bools.mul_(2)`:
+  /// torch's Python meta kernels do not check, and functionalization would cast).
+  std::optional<std::vector<int64_t>> take(const c10::OperatorName &op, c10::IntArrayRef sizes,
+                                           c10::ScalarType dtype);
   /// Counts a traced op; a layout nobody took within a few ops is dropped.
   void traced() {
     if (pending && ++opsSince > kMaxOps)
