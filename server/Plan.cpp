@@ -281,9 +281,10 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   step.firstOutput = firstOutput;
   step.numOutputs = n.outputs.size();
   step.restrideOperands = bridge::isStridedView(base);
-  random_ |= bridge::drawsRandom(*handle);
+  const bool draws = bridge::drawsRandom(*handle);
+  random_ |= draws;
   compilable_ &= policy::compilable(base);
-  step.seeded = bridge::drawsRandom(*handle) &&
+  step.seeded = draws &&
                 std::none_of(schema.arguments().begin(), schema.arguments().end(),
                              [](const c10::Argument &a) {
                                return a.type()->str().find("Generator") != std::string::npos;

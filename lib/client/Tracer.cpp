@@ -861,10 +861,15 @@ void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack,
 /// its batch sizes on the host on every device: torch's RNN kernels read the batch sizes, so
 /// for rgpu input they stay a plain host tensor, where the generated kernel would wrap them
 /// with the packed data. Otherwise it does what the generated kernel does.
-void packPaddedSequence(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+/// What the generated Functionalize kernel of an op that writes nothing does: syncs and unwraps
+/// the functional arguments, runs the op below functionalization, and wraps each tensor result
+/// \p wrap accepts. \p rgpuInput is set if the first argument was an rgpu tensor.
+template <class Wrap>
+void runUnwrapped(const c10::OperatorHandle &op, torch::jit::Stack *stack, bool &rgpuInput,
+                  Wrap wrap) {
   namespace fz = at::functionalization::impl;
   const size_t base = stack->size() - op.schema().arguments().size();
-  bool rgpuInput = false;
+  rgpuInput = false;
   for (size_t i = base; i < stack->size(); ++i) {
     c10::IValue &v = (*stack)[i];
     if (!v.isTensor() || !fz::isFunctionalTensor(v.toTensor()))
@@ -879,9 +884,15 @@ void packPaddedSequence(const c10::OperatorHandle &op, torch::jit::Stack *stack)
   }
   for (size_t r = base; r < stack->size(); ++r) {
     c10::IValue &v = (*stack)[r];
-    if (v.isTensor() && (!rgpuInput || lazyImpl(v.toTensor())))
+    if (v.isTensor() && wrap(v.toTensor()))
       v = fz::to_functional_tensor(v.toTensor());
   }
+}
+
+void packPaddedSequence(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+  bool rgpuInput = false;
+  runUnwrapped(op, stack, rgpuInput,
+               [&](const at::Tensor &t) { return !rgpuInput || lazyImpl(t); });
 }
 
 /// native_batch_norm writes its running statistics in training mode, but its schema does not
@@ -906,21 +917,8 @@ void nativeBatchNorm(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     torch::jit::push(*stack, std::move(out), std::move(saveMean), std::move(saveInvstd));
     return;
   }
-  const size_t base = stack->size() - op.schema().arguments().size();
-  for (size_t i = base; i < stack->size(); ++i) {
-    c10::IValue &v = (*stack)[i];
-    if (v.isTensor() && fz::isFunctionalTensor(v.toTensor())) {
-      fz::sync(v.toTensor());
-      v = fz::from_functional_tensor(v.toTensor());
-    }
-  }
-  {
-    c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::Functionalize);
-    op.callBoxed(stack);
-  }
-  for (size_t r = base; r < stack->size(); ++r)
-    if ((*stack)[r].isTensor())
-      (*stack)[r] = fz::to_functional_tensor((*stack)[r].toTensor());
+  bool rgpuInput = false;
+  runUnwrapped(op, stack, rgpuInput, [](const at::Tensor &) { return true; });
 }
 
 /// The functional form of the in-place op functionalization just checked gives its result the

@@ -245,11 +245,9 @@ def _load(f, map_location=None, *args, **kwargs):
     mapped = isinstance(map_location, dict) and any(map(_rgpu_target, map_location.values()))
     targets = {}  # storage data_ptr -> the rgpu device its tensors go to
 
-    def restore(storage, location):
+    def restore(storage, location):  # torch's, whose first package is _restore
         where = everything or map_location.get(location, location)
-        kept = _restore(storage, where)
-        return torch.serialization.default_restore_location(storage, str(where)) \
-            if kept is None else kept
+        return torch.serialization.default_restore_location(storage, str(where))
 
     outer, _state.targets = getattr(_state, "targets", None), targets
     try:
