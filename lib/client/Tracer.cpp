@@ -13,6 +13,7 @@
 #include "rgpu/client/InplaceChecks.h"
 #include "rgpu/client/LazyTensor.h"
 #include "rgpu/client/MetaKernels.h"
+#include "rgpu/client/PinnedMemory.h"
 #include "rgpu/client/Session.h"
 #include "rgpu/bridge/Bridge.h"
 #include "rgpu/ir/Bytes.h"
@@ -1214,8 +1215,8 @@ struct Hooks final : at::PrivateUse1HooksInterface {
     return RgpuGenerator::make(device < 0 ? tlsDevice : device, c10::default_rng_seed_val);
   }
   at::Device getDeviceFromPtr(void *) const override { return {c10::DeviceType::PrivateUse1, tlsDevice}; }
-  bool isPinnedPtr(const void *) const override { return false; }
-  at::Allocator *getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+  bool isPinnedPtr(const void *p) const override { return isPinned(p); }
+  at::Allocator *getPinnedMemoryAllocator() const override { return pinnedAllocator(); }
 };
 
 const bool hooksRegistered = [] {

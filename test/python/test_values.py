@@ -228,6 +228,23 @@ def test_prefetch_uploads_ahead_and_keeps_structure():
         next(iter(rgpu.prefetch(loader, depth=0)))
 
 
+def test_pinned_host_memory_is_pinned_for_rgpu_as_for_cuda():
+    """Tensor.pin_memory() and DataLoader(pin_memory=True) ask the current accelerator (rgpu)
+    for pinned memory; is_pinned() then answers as on CUDA, for views into it too."""
+    x = torch.arange(12.0)
+    p = x.pin_memory()
+    assert p.is_pinned() and torch.equal(p, x)
+    assert p[5:].is_pinned() and p.view(3, 4).t().is_pinned()
+    assert not x.is_pinned() and not p.clone().is_pinned()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4,
+                                         pin_memory=True)
+    for i, (b,) in enumerate(loader):
+        assert b.is_pinned()
+        assert torch.equal(b.to(R, non_blocking=True).cpu(), x[4 * i:4 * i + 4])
+    del p, b
+    assert not torch.empty(64).is_pinned()  # freed blocks are forgotten
+
+
 def test_a_steady_gpt_step_sends_under_a_kibibyte_besides_its_batch():
     import os
     import sys
