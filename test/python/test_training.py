@@ -197,3 +197,51 @@ def test_fused_optimizers_match_cpu_and_an_lr_schedule_ships_no_new_graph(kind):
         runs.append(shipped)
     assert_params_match(dev, cpu)
     assert runs[1][-1] == runs[1][2], runs[1]  # later steps reuse the graphs of the first ones
+
+
+def test_torch_func_transforms_match_cpu():
+    """torch.func's transforms run on rgpu tensors as on CPU: vmap (with in_dims, chunks,
+    indexing and in-place ops inside), grad, jacrev/jacfwd, hessian, vjp/jvp, and per-sample
+    gradients and model ensembling through functional_call."""
+    from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, stack_module_state, vjp, vmap
+
+    g = torch.Generator().manual_seed(0)
+    w, x, v = torch.randn(5, 3, generator=g), torch.randn(4, 3, generator=g), torch.randn(3, generator=g)
+    labels = torch.tensor([0, 1, 1, 0])
+    torch.manual_seed(1)
+    mlp = nn.Sequential(nn.Linear(3, 8), nn.GELU(), nn.Linear(8, 2))
+    ensemble = [nn.Linear(3, 2) for _ in range(3)]
+
+    def per_sample_grads(d):
+        m = copy.deepcopy(mlp).to(d)
+        params = {k: p.detach() for k, p in m.named_parameters()}
+
+        def loss(p, xi, yi):
+            return nn.functional.cross_entropy(functional_call(m, p, (xi,)), yi)
+        return vmap(grad(loss), in_dims=(None, 0, 0))(params, x.to(d).unsqueeze(1),
+                                                       labels.to(d).unsqueeze(1))
+
+    def ensembled(d):
+        params, buffers = stack_module_state([copy.deepcopy(m).to(d) for m in ensemble])
+        base = nn.Linear(3, 2).to("meta")
+        return vmap(lambda p, b, xi: functional_call(base, (p, b), (xi,)),
+                    in_dims=(0, 0, None))(params, buffers, x.to(d))
+
+    cases = {
+        "vmap": lambda d: vmap(lambda xi, wi: (wi @ xi).relu(), in_dims=(0, None))(x.to(d), w.to(d)),
+        "vmap chunks": lambda d: vmap(lambda xi: xi.softmax(-1), chunk_size=3)(x.to(d)),
+        "vmap index": lambda d: vmap(lambda xi, i: xi[i])(x.to(d), torch.tensor([0, 2, 1, 0]).to(d)),
+        "vmap in-place": lambda d: vmap(lambda xi: xi.clone().mul_(2).add_(1))(x.to(d)),
+        "grad": lambda d: grad(lambda t: (t.sin() ** 2).sum())(v.to(d)),
+        "jacrev": lambda d: jacrev(lambda t: (w.to(d) @ t).tanh())(v.to(d)),
+        "jacfwd": lambda d: jacfwd(lambda t: (w.to(d) @ t).tanh())(v.to(d)),
+        "hessian": lambda d: hessian(lambda t: (t.exp() * t).sum())(v.to(d)),
+        "vjp": lambda d: vjp(lambda t: t.sin() * 2, v.to(d))[1](torch.ones(3).to(d)),
+        "jvp": lambda d: jvp(lambda t: t.sin() * 2, (v.to(d),), (torch.ones(3).to(d),)),
+        "per-sample grads": lambda d: list(per_sample_grads(d).values()),
+        "ensemble": ensembled,
+    }
+    for name, f in cases.items():
+        expected, actual = f("cpu"), f(R)
+        same(list(actual) if isinstance(actual, tuple) else actual,
+             list(expected) if isinstance(expected, tuple) else expected, rtol=1e-4, atol=1e-5)
