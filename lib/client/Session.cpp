@@ -170,6 +170,10 @@ void Session::checkCurrent(const Value &v) {
 }
 
 void Session::close() {
+  // A forked child says nothing on its parent's connection, and does not wait for the lock,
+  // which a thread of the parent may have held at the fork.
+  if (transport_.inherited())
+    return transport_.close();
   // At exit: what is queued and unsent is dropped (nothing can read its results), and the Bye
   // is sent once, without a resume, so a dead server never delays the exit.
   Lock lock(*this);

@@ -5,14 +5,24 @@
 #include "rgpu/bridge/Bridge.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <pthread.h>
 #include <thread>
 #include <unistd.h>
 
 namespace rgpu::client {
 
 namespace {
+
+/// Forks of this process, counted in the child: a connection opened before the last fork
+/// belongs to the parent.
+std::atomic<uint64_t> gForks{0};
+const bool forkCounted = [] {
+  pthread_atfork(nullptr, nullptr, [] { gForks.fetch_add(1, std::memory_order_relaxed); });
+  return true;
+}();
 
 using Clock = std::chrono::steady_clock;
 
@@ -90,7 +100,26 @@ void Transport::lose(const std::string &why) {
   raise(ErrorKind::SessionLost, lostReason_);
 }
 
+bool Transport::inherited() const {
+  return forksAtOpen_ != gForks.load(std::memory_order_relaxed) && socket_.connected();
+}
+
+void Transport::leaveInherited() {
+  if (!inherited())
+    return;
+  socket_.close(); // this process's descriptor: the parent's connection stays open
+  kept_.clear();
+  keptBytes_ = 0;
+  if (lostReason_.empty())
+    lostReason_ = "rgpu session lost: this process was forked (fork(), or multiprocessing's "
+                  "'fork' start method) from the process whose rgpu session it is, and that "
+                  "session's connection is not this process's to use. Create rgpu tensors "
+                  "after the fork, in processes started with the 'spawn' method (as with "
+                  "CUDA), or call rgpu.reset() here to start this process's own session";
+}
+
 bool Transport::open(std::string &error, int timeoutMs) {
+  forksAtOpen_ = gForks.load(std::memory_order_relaxed);
   decoder_ = std::make_unique<net::FrameDecoder>(limits_.maxFrameBytes);
   return tcp_ ? socket_.connect(endpoint_.host, endpoint_.port, error, reconnectSeconds_,
                                 timeoutMs)
@@ -98,6 +127,7 @@ bool Transport::open(std::string &error, int timeoutMs) {
 }
 
 void Transport::connect() {
+  leaveInherited();
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
   address_ = address();
@@ -255,6 +285,7 @@ void Transport::acknowledge(uint64_t seq) {
 }
 
 void Transport::send(uint64_t seq, std::string bytes) {
+  leaveInherited();
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
   keptBytes_ += bytes.size();
@@ -264,6 +295,7 @@ void Transport::send(uint64_t seq, std::string bytes) {
 }
 
 bool Transport::poll(net::Frame &out) {
+  leaveInherited();
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
   for (;;) {
@@ -291,6 +323,7 @@ bool Transport::poll(net::Frame &out) {
 
 net::Frame Transport::receive(uint64_t seq,
                               const std::function<void(const net::Frame &)> &earlier, bool spin) {
+  leaveInherited();
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
   // A server serving this client's frames sends a heartbeat every half second: this long a
@@ -402,6 +435,7 @@ void Transport::keepAnchor() {
 }
 
 void Transport::close() {
+  leaveInherited();
   if (socket_.connected() && !lost() && !sessionId_.empty()) {
     // The Bye waits (briefly) for its reply: a server that sees the connection end before it
     // has read the Bye would keep the session for a resume. Best effort: a lost Bye costs the

@@ -31,3 +31,51 @@ def test_a_sessions_first_read_of_a_large_zero_tensor_arrives(fresh_server):
     r = run_client(fresh_server.address,
                    "import torch, rgpu\nprint(int(torch.zeros(1 << 22, device='rgpu').cpu().sum()))")
     assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr
+
+
+def test_a_forked_child_leaves_its_parents_session_alone(server):
+    # A forked child shares its parent's socket. It must neither end the parent's session at
+    # exit (a Bye) nor read its replies; using rgpu there raises, and rgpu.reset() gives the
+    # child a session of its own.
+    script = r"""
+import os, sys, torch, rgpu
+import torch.utils.data as D
+w = torch.arange(4.0).to('rgpu')
+assert w.sum().item() == 6
+
+def fork(child):
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            msg = child()
+        except BaseException as e:
+            msg = f'{type(e).__name__}: {e}'
+        os.write(wfd, msg.encode())
+        sys.exit(0)  # atexit handlers run, as at a normal exit
+    os.close(wfd)
+    out = os.read(r, 4096).decode()
+    os.waitpid(pid, 0)
+    return out
+
+print(fork(lambda: 'idle'))
+def uses_inherited():
+    try:
+        (w * 2).sum().item()
+        return 'no error'
+    except rgpu.SessionLost as e:
+        first = 'forked' in str(e)
+    rgpu.reset()
+    x = torch.full((3,), 2.0, device='rgpu')
+    return f'{first} {(x * x).sum().item()}'
+print(fork(uses_inherited))
+del w  # the parent's releases still go through
+ds = D.TensorDataset(torch.arange(32.0))
+total = sum((b.to('rgpu') * 2).sum().item() for (b,) in D.DataLoader(ds, batch_size=8, num_workers=2))
+v = torch.ones(5, device='rgpu')
+print(total, v.sum().item(), rgpu.stats()['reconnects'])
+"""
+    r = run_client(server.address, script)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:3] == ["idle", "True 12.0", "992.0 5.0 0"], r.stdout

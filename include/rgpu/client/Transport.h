@@ -81,7 +81,11 @@ public:
   uint64_t unacknowledged() const { return keptBytes_; }
 
   /// Ends the session on the server (nothing is kept for a resume) and closes the connection.
+  /// In a process forked from the one that opened it, only closes this process's descriptor.
   void close();
+  /// Whether this process was forked from the one that opened the connection it holds: the
+  /// socket is then shared with that process, whose session it is.
+  bool inherited() const;
   /// Forgets the session: the next connect() starts a new one.
   void reset();
   /// Ends the session for good with \p why, and raises SessionLost.
@@ -100,6 +104,10 @@ private:
   /// SessionLost if that fails.
   void recover(const std::string &why, std::chrono::steady_clock::time_point since);
   void acknowledge(uint64_t seq);
+  /// In a process forked since the connection opened (see inherited()), marks the session lost
+  /// without a word on the socket, which still carries the parent's session: a frame or a read
+  /// here would end that session or take its replies.
+  void leaveInherited();
   /// Keeps a Sync frame that asks for a reply (sent after a resume, so that a reply later than
   /// every frame sent before the drop arrives: replies the server no longer had are then known
   /// to be lost, not late).
@@ -113,6 +121,7 @@ private:
   std::unique_ptr<net::FrameDecoder> decoder_;
   wire::Limits limits_;
   std::string lostReason_;
+  uint64_t forksAtOpen_ = 0; ///< The process's fork count (see Transport.cpp) when the socket opened.
   ServerHello serverHello_;
   std::string sessionId_, instance_;
   uint64_t graphBudget_ = 0, graceSeconds_ = 0;
