@@ -371,7 +371,12 @@ PYBIND11_MODULE(_C, m) {
           try {
             sinkLogger->attr("log")(level, message);
           } catch (py::error_already_set &e) {
-            e.discard_as_unraisable("rgpu's log sink");
+            // Ctrl-C while the client waits runs Python's handler in here; its
+            // KeyboardInterrupt is made pending again, raised where the user's code resumes.
+            if (e.matches(PyExc_KeyboardInterrupt))
+              PyErr_SetInterrupt();
+            else
+              e.discard_as_unraisable("rgpu's log sink");
           }
         },
         debug);

@@ -258,3 +258,27 @@ def test_remembered_in_place_checks_run_no_python_and_keep_eager_results():
         torch.testing.assert_close(a.cpu(), b)
     with pytest.raises(RuntimeError, match="broadcast|shape"):
         on[1].lerp_(torch.ones(2, 5, device="rgpu"), 0.5)
+
+
+def test_ctrl_c_during_a_long_wait_raises_keyboardinterrupt(server):
+    # A wait of over a second is logged when it ends; the log call ran Python's SIGINT handler
+    # and swallowed its KeyboardInterrupt, so Ctrl-C during a long step was lost.
+    script = r"""
+import os, signal, threading, time, torch, rgpu
+x = torch.randn(1500, 1500, device='rgpu')
+y = x
+for _ in range(120):
+    y = (y @ x).tanh()
+threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    y.sum().item()
+    time.sleep(0.5)  # a lost interrupt would not come back
+    print('not interrupted')
+except KeyboardInterrupt:
+    print('interrupted')
+print((torch.ones(3, device='rgpu') * 2).sum().item())
+"""
+    r = run_client(server.address, script)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["interrupted", "6.0"], (r.stdout, r.stderr)
+    assert "Exception ignored" not in r.stderr, r.stderr
