@@ -70,6 +70,14 @@ std::string name(int8_t d) {
   case ComplexDouble: return "c128";
   case Bool: return "b8";
   case BFloat16: return "bf16";
+  case 23: return "f8e5m2";
+  case 24: return "f8e4m3fn";
+  case 25: return "f8e5m2fnuz";
+  case 26: return "f8e4m3fnuz";
+  case 27: return "u16";
+  case 28: return "u32";
+  case 29: return "u64";
+  case 44: return "f8e8m0fnu";
   case Undefined: return "undefined";
   default: return "dtype<" + std::to_string(int(d)) + ">";
   }
@@ -628,9 +636,12 @@ std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapes
     lines.push_back(count("size symbols", a.symbolCount, b.symbolCount) + " (" +
                     std::to_string(a.symbolic.size()) + " vs " +
                     std::to_string(b.symbolic.size()) + " integers follow them)");
+  // Another dtype is another program (other kernels, other promotions), not another shape.
   for (size_t i = 0; i < std::min(a.inputs.size(), b.inputs.size()); ++i)
-    if (a.inputs[i] != b.inputs[i])
+    if (a.inputs[i] != b.inputs[i]) {
       lines.push_back("input " + std::to_string(i) + ": " + ta.meta(i) + " vs " + tb.meta(i));
+      structural |= a.inputs[i].dtype != b.inputs[i].dtype;
+    }
   if (a.inputs.size() != b.inputs.size()) {
     lines.push_back(count("inputs", a.inputs.size(), b.inputs.size()));
     structural = true;
@@ -682,6 +693,8 @@ std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapes
         }
       }
       if (x.outputs != y.outputs) {
+        for (size_t o = 0; o < std::min(x.outputs.size(), y.outputs.size()); ++o)
+          structural |= x.outputs[o].dtype != y.outputs[o].dtype;
         if (metaLines++ < 3) {
           std::string l = where + ": ";
           for (size_t o = 0; o < std::max(x.outputs.size(), y.outputs.size()); ++o)

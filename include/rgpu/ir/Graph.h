@@ -255,7 +255,8 @@ std::string verifyStructure(const Graph &g);
 /// What differs between two graphs, one readable line per difference (empty if the structure is
 /// the same): differing input metas (`input 0: f32[8,16] vs f32[12,16]`), the first differing
 /// node, added and removed ops. \p shapesOnly is set when both run the same ops in the same
-/// order with the same constants and differ only in tensor metas: a shape-driven recompile.
+/// order with the same constants and dtypes and differ only in sizes and strides: a
+/// shape-driven recompile.
 std::vector<std::string> diffGraphs(const Graph &a, const Graph &b, bool *shapesOnly = nullptr);
 
 /// Prints one node per line: `%5 = aten::addmm.default(%1, %3, %4) : f32[8,32]  # train.py:12`.

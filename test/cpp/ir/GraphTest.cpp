@@ -207,6 +207,16 @@ TEST(Graph, DiffNamesAShapeChange) {
   EXPECT_TRUE(diffGraphs(mulAdd(), mulAdd()).empty());
 }
 
+TEST(Graph, AnotherDtypeIsNotAShapeChange) {
+  // x.to(uint16) then x.to(int16): the same ops and sizes, other kernels.
+  bool shapesOnly = true;
+  auto lines = diffGraphs(mulAdd(meta({8, 16}, 27)), mulAdd(meta({8, 16}, dtype::Short)),
+                          &shapesOnly);
+  EXPECT_FALSE(shapesOnly);
+  ASSERT_FALSE(lines.empty());
+  EXPECT_EQ(lines[0], "input 0: u16[8,16] vs i16[8,16]");
+}
+
 TEST(Graph, IntegersThatChangeWithTheShapesAreShapeOnly) {
   // x[:, :n] of an input whose second size is n: the slice end follows the size.
   auto slice = [](int64_t n) {
