@@ -1,6 +1,6 @@
 """Moving modules and saving tensors between the CPU and rgpu as PyTorch does for CUDA.
 
-Three things differ from a CUDA tensor, and each is handled here:
+Four things differ from a CUDA tensor, and each is handled here:
 
 * **Tied weights.** ``model.to("cuda")`` keeps every Parameter object (``param.data = new``), so
   a weight shared by two modules stays one Parameter. That path needs tensors of compatible
@@ -28,6 +28,9 @@ Three things differ from a CUDA tensor, and each is handled here:
   allocated on the client; an rgpu tensor deep-copies as a clone on the server, as XLA and lazy
   tensors do. Parameters already clone (so tied weights stay tied through the memo); tensors
   that were views of one storage become independent copies, as for XLA.
+* **DLPack.** An rgpu tensor has no bytes here to share: ``__dlpack__`` and
+  ``__dlpack_device__`` raise BufferError and ``torch.to_dlpack`` RuntimeError, saying to move
+  it to the CPU, as a CPU-only consumer of a CUDA tensor would have to.
 """
 
 import collections
@@ -298,7 +301,39 @@ def _tensor_data_ptr(self):
     return _original_tensor_data_ptr(self)
 
 
+_DLPACK_REFUSED = ("an rgpu tensor's bytes are on the rgpu-opserver, not in this process: "
+                   "DLPack cannot share them. Move it to the CPU first (x.cpu()), as for a CUDA "
+                   "tensor and a CPU-only consumer")
+_original_dunder_dlpack = torch.Tensor.__dlpack__
+_original_dunder_dlpack_device = torch.Tensor.__dlpack_device__
+_original_to_dlpack = torch.utils.dlpack.to_dlpack
+
+
+def _dunder_dlpack(self, *args, **kwargs):
+    if self.device.type == "rgpu":
+        raise BufferError(_DLPACK_REFUSED)
+    return _original_dunder_dlpack(self, *args, **kwargs)
+
+
+def _dunder_dlpack_device(self):
+    if self.device.type == "rgpu":
+        raise BufferError(_DLPACK_REFUSED)
+    return _original_dunder_dlpack_device(self)
+
+
+def _to_dlpack(tensor, *args, **kwargs):
+    if isinstance(tensor, torch.Tensor) and tensor.device.type == "rgpu":
+        raise RuntimeError(_DLPACK_REFUSED)
+    return _original_to_dlpack(tensor, *args, **kwargs)
+
+
 def install():
+    # to_dlpack handed out a capsule over no bytes: torch.from_dlpack of it made a tensor that
+    # failed on first use with a misleading device error.
+    torch.Tensor.__dlpack__ = functools.wraps(_original_dunder_dlpack)(_dunder_dlpack)
+    torch.Tensor.__dlpack_device__ = functools.wraps(_original_dunder_dlpack_device)(
+        _dunder_dlpack_device)
+    torch.utils.dlpack.to_dlpack = torch.to_dlpack = functools.wraps(_original_to_dlpack)(_to_dlpack)
     torch.UntypedStorage.data_ptr = _storage_data_ptr
     torch.Tensor.data_ptr = functools.wraps(_original_tensor_data_ptr)(_tensor_data_ptr)
     torch.nn.Module._apply = _apply

@@ -245,6 +245,20 @@ def test_pinned_host_memory_is_pinned_for_rgpu_as_for_cuda():
     assert not torch.empty(64).is_pinned()  # freed blocks are forgotten
 
 
+def test_dlpack_refuses_an_rgpu_tensor_and_takes_its_cpu_copy():
+    import numpy as np
+
+    x = torch.arange(6.0).to(R)
+    with pytest.raises(BufferError, match="x.cpu"):
+        torch.from_dlpack(x)
+    with pytest.raises(BufferError):
+        np.from_dlpack(x)
+    with pytest.raises(RuntimeError, match="x.cpu"):
+        torch.utils.dlpack.to_dlpack(x)  # was a capsule over no bytes
+    assert torch.equal(torch.from_dlpack(x.cpu()), torch.arange(6.0))
+    assert np.from_dlpack(x.cpu().pin_memory()).tolist() == list(range(6))
+
+
 def test_a_steady_gpt_step_sends_under_a_kibibyte_besides_its_batch():
     import os
     import sys
