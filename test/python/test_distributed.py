@@ -208,7 +208,9 @@ def test_what_crosses_a_client_in_a_ddp_step_does_not_grow_with_the_model(two_se
     for a, b in zip(small, large):  # once every graph has shipped (the no_sync one at step 4)
         for key in ("bytes_out", "bytes_in"):
             steady = [statistics.median(c[key] for c in out["counts"][5:]) for out in (a, b)]
-            assert steady[0] == steady[1], (key, a["counts"], b["counts"])
+            # Packed frames vary by a few bytes with the values they carry (handles, scalars);
+            # 14x the parameters would add kilobytes if anything grew with them.
+            assert abs(steady[0] - steady[1]) <= 32, (key, a["counts"], b["counts"])
 
 
 def test_ddp_with_two_ranks_on_one_server(fresh_server):
