@@ -858,19 +858,14 @@ void functionalizeHere(const c10::OperatorHandle &op, torch::jit::Stack *stack,
     mapTensors((*stack)[r], unwrap);
 }
 
-/// Functionalization's kernel for `_pack_padded_sequence`, which takes its lengths and answers
-/// its batch sizes on the host on every device: torch's RNN kernels read the batch sizes, so
-/// for rgpu input they stay a plain host tensor, where the generated kernel would wrap them
-/// with the packed data. Otherwise it does what the generated kernel does.
 /// What the generated Functionalize kernel of an op that writes nothing does: syncs and unwraps
 /// the functional arguments, runs the op below functionalization, and wraps each tensor result
-/// \p wrap accepts. \p rgpuInput is set if the first argument was an rgpu tensor.
+/// for which \p wrap(result, whether the first argument was an rgpu tensor) is true.
 template <class Wrap>
-void runUnwrapped(const c10::OperatorHandle &op, torch::jit::Stack *stack, bool &rgpuInput,
-                  Wrap wrap) {
+void runUnwrapped(const c10::OperatorHandle &op, torch::jit::Stack *stack, Wrap wrap) {
   namespace fz = at::functionalization::impl;
   const size_t base = stack->size() - op.schema().arguments().size();
-  rgpuInput = false;
+  bool rgpuInput = false;
   for (size_t i = base; i < stack->size(); ++i) {
     c10::IValue &v = (*stack)[i];
     if (!v.isTensor() || !fz::isFunctionalTensor(v.toTensor()))
@@ -885,15 +880,18 @@ void runUnwrapped(const c10::OperatorHandle &op, torch::jit::Stack *stack, bool 
   }
   for (size_t r = base; r < stack->size(); ++r) {
     c10::IValue &v = (*stack)[r];
-    if (v.isTensor() && wrap(v.toTensor()))
+    if (v.isTensor() && wrap(v.toTensor(), rgpuInput))
       v = fz::to_functional_tensor(v.toTensor());
   }
 }
 
+/// Functionalization's kernel for `_pack_padded_sequence`, which takes its lengths and answers
+/// its batch sizes on the host on every device: torch's RNN kernels read the batch sizes, so
+/// for rgpu input they stay a plain host tensor, where the generated kernel would wrap them
+/// with the packed data. Otherwise it does what the generated kernel does.
 void packPaddedSequence(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
-  bool rgpuInput = false;
-  runUnwrapped(op, stack, rgpuInput,
-               [&](const at::Tensor &t) { return !rgpuInput || lazyImpl(t); });
+  runUnwrapped(op, stack,
+               [](const at::Tensor &t, bool rgpuInput) { return !rgpuInput || lazyImpl(t); });
 }
 
 /// native_batch_norm writes its running statistics in training mode, but its schema does not
@@ -918,8 +916,7 @@ void nativeBatchNorm(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     torch::jit::push(*stack, std::move(out), std::move(saveMean), std::move(saveInvstd));
     return;
   }
-  bool rgpuInput = false;
-  runUnwrapped(op, stack, rgpuInput, [](const at::Tensor &) { return true; });
+  runUnwrapped(op, stack, [](const at::Tensor &, bool) { return true; });
 }
 
 /// The functional form of the in-place op functionalization just checked gives its result the
