@@ -27,6 +27,7 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <llvm/ADT/DenseMap.h>
@@ -1276,6 +1277,70 @@ const bool allocatorRegistered = [] {
 c10::DeviceIndex currentDevice() { return tlsDevice; }
 void setCurrentDevice(c10::DeviceIndex index) { tlsDevice = index; }
 
+/// True if autograd would record \p op called with \p stack: grad mode is on and an argument
+/// requires grad, or an argument carries a forward-mode tangent (which grad mode does not
+/// switch off).
+bool autogradRecords(const c10::OperatorHandle &op, const torch::jit::Stack &stack) {
+  const bool grad = c10::GradMode::is_enabled();
+  for (const c10::IValue &v : torch::jit::last(stack, op.schema().arguments().size())) {
+    if (!v.isTensor())
+      continue;
+    const at::Tensor &t = v.toTensor();
+    if (!t.defined())
+      continue;
+    if (grad && t.requires_grad())
+      return true;
+    auto *meta = torch::autograd::impl::get_autograd_meta(t);
+    if (meta && meta->fw_grad_ && !meta->fw_grad_->empty())
+      return true;
+  }
+  return false;
+}
+
+/// The kernel for rgpu's autograd key of a composite op in wholeWithoutGrad(): its composite
+/// kernel when autograd records the call, which then decomposes as before; otherwise the op
+/// goes below autograd whole, through functionalization to the tracer, as one node.
+class WholeWithoutGrad final : public c10::OperatorKernel {
+public:
+  explicit WholeWithoutGrad(c10::SafeKernelFunction composite) : composite_(std::move(composite)) {}
+
+  void operator()(const c10::OperatorHandle &op, c10::DispatchKeySet keys,
+                  torch::jit::Stack *stack) {
+    if (autogradRecords(op, *stack))
+      return composite_.callBoxed(op, keys, stack);
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+
+private:
+  c10::SafeKernelFunction composite_;
+};
+
+/// CompositeImplicitAutograd ops decompose above autograd, into several ops each traced on its
+/// own: linear on a 3-d input is a view, a transpose, addmm and another view, four trips
+/// through autograd, functionalization and the tracer, and four nodes for the server. Under
+/// torch.no_grad (inference, generation) nothing needs the decomposition, so these ops are
+/// recorded whole there, and the server runs the op itself. Only ops whose result never
+/// aliases an argument and which write nothing are listed (not einsum, which may answer a
+/// view, nor batch_norm, which writes its running statistics).
+void registerWholeWithoutGrad(torch::Library &backend) {
+  static torch::Library *autograd = new torch::Library(
+      torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse1, __FILE__, __LINE__);
+  auto &dispatcher = c10::Dispatcher::singleton();
+  for (const char *name : {"linear", "matmul", "layer_norm", "group_norm", "bilinear"}) {
+    auto op = dispatcher.findOp({std::string("aten::") + name, ""});
+    if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::AutogradPrivateUse1))
+      continue;
+    // Taken before the registrations below change what rgpu's autograd key computes to.
+    c10::SafeKernelFunction composite =
+        op->getComputedKernelForDispatchKey(c10::DispatchKey::AutogradPrivateUse1);
+    autograd->impl(name, torch::CppFunction::makeFromBoxedFunctor(
+                             std::make_unique<WholeWithoutGrad>(std::move(composite))));
+    backend.impl(name, torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  }
+}
+
 void registerWholeOps() {
   CustomOps::get().registerPending(); // installs the listener; ops defined so far are noted
   // Composite kernels outrank a backend fallback in the dispatcher, and the generated ones
@@ -1312,6 +1377,7 @@ void registerWholeOps() {
       impl += "." + name.overload_name;
     lib->impl(impl.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
+  registerWholeWithoutGrad(*lib);
   // torch.distributed's functional collectives (python/rgpu/distributed.py) have composite
   // kernels too, which would run them on the client: they are recorded, and the server runs
   // them in the process group its session joined.

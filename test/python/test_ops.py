@@ -627,3 +627,94 @@ def test_transformers_grouped_mm_fallback_op_matches_cpu():
         (y * y).sum().backward()
         results.append((y.detach(), xi.grad, wi.grad))
     same(results[1], results[0])
+
+
+def _traced(fn):
+    """fn()'s result and how many ops rgpu traced for it."""
+    before = rgpu.stats()["ops_traced"]
+    out = fn()
+    return out, rgpu.stats()["ops_traced"] - before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.complex64])
+def test_composite_ops_without_grad_are_traced_whole_and_match_cpu(dtype):
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    w, b, x3 = rand(6, 5), rand(6), rand(2, 3, 5)
+    cases = [
+        (lambda x, w, b: F.linear(x, w, b), (x3, w, b)),
+        (lambda x, w: F.linear(x, w), (rand(5), w)),
+        (lambda x, w: F.linear(x, w), (rand(2, 2, 3, 5), w)),
+        (lambda x, w, b: F.linear(x.transpose(0, 1), w, b), (x3, w, b)),  # non-contiguous
+        (lambda x, y: x @ y, (rand(5), rand(5))),
+        (lambda x, y: x @ y, (rand(4, 5), rand(5))),
+        (lambda x, y: x @ y, (rand(5), rand(5, 3))),
+        (lambda x, y: x @ y, (rand(2, 1, 4, 5), rand(3, 5, 2))),  # broadcast batches
+        (lambda x, y: x @ y.mT, (x3, rand(2, 4, 5))),
+        (lambda x, y: torch.matmul(x, y), (rand(0, 5), rand(5, 3))),  # empty
+        (lambda x, w, b: F.bilinear(x, x, w, b), (rand(3, 5), rand(2, 5, 5), rand(2))),
+    ]
+    if not dtype.is_complex:
+        cases += [
+            (lambda x, w, b: F.layer_norm(x, (5,), w, b), (x3, rand(5), rand(5))),
+            (lambda x: F.layer_norm(x, (3, 5)), (x3,)),
+            (lambda x, w, b: F.group_norm(x, 2, w, b), (rand(2, 4, 3, 3), rand(4), rand(4))),
+        ]
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+    for fn, args in cases:
+        expected = fn(*args)
+        on = [a.to(R) for a in args]
+        with torch.no_grad():
+            actual, ops = _traced(lambda: fn(*on))
+        same(actual, expected, **tol)
+        # One op for the composite, plus the transposes the case makes itself.
+        assert ops <= 2, ops
+        # The result is a tensor of its own, as on CPU: writing into it leaves the inputs alone.
+        with torch.no_grad():
+            actual.zero_()
+        for a, t in zip(args, on):
+            same(t, a)
+
+
+def test_composite_ops_that_autograd_records_still_decompose_and_differentiate():
+    x, w, b = torch.randn(2, 3, 5), torch.randn(6, 5), torch.randn(6)
+    grads = []
+    for device in ("cpu", R):
+        xs, ws, bs = (t.to(device).detach().requires_grad_() for t in (x, w, b))
+        y = F.layer_norm(F.linear(xs, ws, bs) @ ws, (5,))
+        y.pow(2).sum().backward()
+        grads.append([t.grad.cpu() for t in (xs, ws, bs)])
+    for a, e in zip(*grads):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    # Grad mode on without anything requiring grad is the no_grad case.
+    out, ops = _traced(lambda: F.linear(x.to(R), w.to(R), b.to(R)))
+    assert ops == 1 and not out.requires_grad
+
+
+def test_composite_ops_carry_forward_mode_tangents_without_grad():
+    import torch.autograd.forward_ad as fwAD
+    x, w, tx = torch.randn(3, 5), torch.randn(4, 5), torch.randn(3, 5)
+    results = []
+    for device in ("cpu", R):
+        with torch.no_grad(), fwAD.dual_level():
+            dual = fwAD.make_dual(x.to(device), tx.to(device))
+            out = fwAD.unpack_dual(F.linear(dual, w.to(device)) @ w.to(device))
+            results.append((out.primal.cpu(), out.tangent.cpu()))
+    for a, e in zip(*results):
+        torch.testing.assert_close(a, e)
+    # torch.func.jvp too, which runs at its own level.
+    fn = lambda t: torch.matmul(t, w.to(t.device).t())  # noqa: E731
+    _, expected = torch.func.jvp(fn, (x,), (tx,))
+    _, actual = torch.func.jvp(fn, (x.to(R),), (tx.to(R),))
+    same(actual, expected)
+
+
+def test_composite_ops_in_inference_mode_and_under_vmap():
+    x, w = torch.randn(4, 3, 5), torch.randn(6, 5)
+    with torch.inference_mode():
+        same(F.linear(x.to(R), w.to(R)) @ w.to(R), F.linear(x, w) @ w)
+    with torch.no_grad():
+        same(torch.vmap(lambda t: F.linear(t, w.to(R)))(x.to(R)), torch.vmap(lambda t: F.linear(t, w))(x))
