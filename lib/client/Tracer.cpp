@@ -1308,8 +1308,18 @@ public:
                   torch::jit::Stack *stack) {
     if (autogradRecords(op, *stack))
       return composite_.callBoxed(op, keys, stack);
-    at::AutoDispatchBelowADInplaceOrView below;
-    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+    const size_t base = stack->size() - op.schema().arguments().size();
+    torch::jit::Stack args(stack->begin() + base, stack->end());
+    try {
+      at::AutoDispatchBelowADInplaceOrView below;
+      op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+    } catch (const std::exception &) {
+      // A bad call (shapes that cannot be multiplied) raises from the composite's own ops, so
+      // that its message is CPU eager's, not the whole op's meta kernel's. Nothing was traced.
+      stack->resize(base);
+      stack->insert(stack->end(), args.begin(), args.end());
+      composite_.callBoxed(op, keys, stack);
+    }
   }
 
 private:

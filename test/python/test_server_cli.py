@@ -18,7 +18,7 @@ def test_help_explains_every_flag():
     for flag in ("--device", "--port", "--bind", "--compiler", "--max-frame-mib",
                  "--max-tensor-mib", "--compile-timeout", "--refused-ops", "--max-connections",
                  "--memory-limit", "--session-memory", "--graph-memory", "--plan-cache",
-                 "--compiled-cache", "--disk-cache", "--compile-queue"):
+                 "--compiled-cache", "--disk-cache", "--compile-queue", "--spin-us"):
         assert flag in r.stdout
 
 
@@ -42,6 +42,30 @@ def test_device_lists_that_cannot_be_served_are_errors():
                           (",".join(["cpu"] * 65), "1 to 64 devices")):
         r = run("--devices", devices, "--port", "0")
         assert r.returncode == 2 and says in r.stderr, (devices, r.stderr)
+
+
+def test_workers_that_sleep_at_once_and_workers_that_poll_serve_alike():
+    # Small runs (one thread each) and large ones (OpenMP's team) on the same pool threads,
+    # interleaved, against CPU eager.
+    code = """
+import torch, rgpu
+g = torch.Generator().manual_seed(0)
+for n in (4, 100_000, 3, 2_000_000, 5):
+    x = torch.randn(n, generator=g)
+    for got, want in (((x.to("rgpu") * 2).sum().item(), (x * 2).sum().item()),
+                      ((x.to("rgpu") @ x.to("rgpu")).item(), (x @ x).item())):
+        assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (n, got, want)
+print("ok")
+"""
+    for spin in ("0", "1000"):
+        server = Server("--spin-us", spin)
+        try:
+            r = run_client(server.address, code)
+            assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+        finally:
+            server.stop()
+    r = run("--spin-us", "soon")
+    assert r.returncode == 2 and "--spin-us" in r.stderr, r.stderr
 
 
 def test_unknown_options_are_errors():
