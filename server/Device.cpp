@@ -2,7 +2,6 @@
 #include "Memory.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -187,31 +186,6 @@ bool afterError(c10::Device dev, const std::string &message) {
     if (message.find(sticky) != std::string::npos)
       return true;
   return false;
-}
-
-namespace {
-/// OpenMP's omp_set_num_threads, from the runtime libtorch loaded (none: torch has no OpenMP).
-/// It sets the calling thread's team size only, which ATen's parallel loops and MKL read.
-using SetThreads = void (*)(int);
-SetThreads ompSetNumThreads() {
-  static SetThreads fn = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
-  return fn;
-}
-} // namespace
-
-SerialCpuOps::SerialCpuOps(bool serial) {
-  if (!serial || !ompSetNumThreads())
-    return;
-  const int threads = at::get_num_threads(); // also ATen's first setting of this thread's team
-  if (threads <= 1)
-    return;
-  previous_ = threads;
-  ompSetNumThreads()(1);
-}
-
-SerialCpuOps::~SerialCpuOps() {
-  if (previous_ > 0)
-    ompSetNumThreads()(previous_);
 }
 
 } // namespace rgpu::server::device

@@ -21,24 +21,6 @@ class Tensor;
 
 namespace rgpu::server::device {
 
-/// While alive and \p serial, the ops this thread runs on the CPU use this thread alone (their
-/// parallel loops and BLAS calls do not start OpenMP's team): for a small run, waking the team
-/// costs more than it saves, and on a machine whose other cores are busy (a client tracing
-/// beside the server) far more. Other threads keep their own setting.
-class SerialCpuOps {
-public:
-  explicit SerialCpuOps(bool serial);
-  ~SerialCpuOps();
-  SerialCpuOps(const SerialCpuOps &) = delete;
-  SerialCpuOps &operator=(const SerialCpuOps &) = delete;
-
-private:
-  int previous_ = 0; ///< the thread's team size before; 0 if unchanged
-};
-
-/// A run whose values hold fewer elements than this runs with SerialCpuOps.
-constexpr uint64_t kSerialRunElements = uint64_t(1) << 18;
-
 /// Resets the peaks and empties the allocator's cache of \p dev, as far as \p request asks.
 void apply(c10::Device dev, wire::MemoryRequest::Reader request);
 /// Fills \p out with the figures of \p dev.

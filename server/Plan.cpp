@@ -206,19 +206,6 @@ at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta) {
   return repeats ? r.expand(meta.sizes) : r;
 }
 
-/// The elements of every value in \p metas, saturating.
-uint64_t elementsOf(llvm::ArrayRef<const ir::TensorMeta *> metas) {
-  uint64_t sum = 0;
-  for (const ir::TensorMeta *m : metas)
-    if (m->dtype != ir::dtype::Undefined && m->numel() > 0)
-      sum = std::min<uint64_t>(sum + uint64_t(m->numel()), uint64_t(1) << 62);
-  return sum;
-}
-
-uint64_t Plan::elements(const Shapes *shapes) const {
-  return shapes ? elementsOf(shapes->metas) : elements_;
-}
-
 std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error, uint64_t maxValueBytes) {
   std::unique_ptr<Plan> plan(new Plan());
   plan->graph_ = std::move(graph);
@@ -267,7 +254,6 @@ std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error, uint64_t 
   for (uint32_t v = plan->graph_.inputs.size(); v < next; ++v)
     if (lastUse[v] >= 0)
       plan->steps_[lastUse[v]].release.push_back(v);
-  plan->elements_ = elementsOf(plan->metas_);
   return plan;
 }
 

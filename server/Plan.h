@@ -85,9 +85,6 @@ public:
                const Shapes *shapes = nullptr) const;
 
   bool symbolic() const { return graph_.symbolCount > 0; }
-  /// The elements of all values of a run (inputs, intermediates, outputs), with the sizes
-  /// \p shapes holds for a symbolic plan: a measure of the run's work.
-  uint64_t elements(const Shapes *shapes) const;
   /// The inputs whose layout holds a symbol.
   llvm::ArrayRef<uint32_t> symbolicInputs() const { return symbolicInputs_; }
   /// The sizes of a run of this symbolic plan with size symbols \p symbols, checked as a static
@@ -116,7 +113,6 @@ public:
   uint32_t maxDevice = 0;
 
 private:
-  uint64_t elements_ = 0; ///< elements(nullptr) of a static plan
   /// How to produce one stack slot.
   struct Slot {
     enum Kind : uint8_t {

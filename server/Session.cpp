@@ -1025,7 +1025,6 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     notes_.push_back(name() + " (" + std::to_string(g.nodes.size()) +
                      " nodes) is compiling with Inductor on the server; until it is ready it "
                      "runs on the plan executor");
-  device::SerialCpuOps serial(plan->elements(sized) < device::kSerialRunElements);
   auto start = std::chrono::steady_clock::now();
   bool ran = false;
   if (compiled) {

@@ -45,8 +45,7 @@ def test_device_lists_that_cannot_be_served_are_errors():
 
 
 def test_workers_that_sleep_at_once_and_workers_that_poll_serve_alike():
-    # Small runs (one thread each) and large ones (OpenMP's team) on the same pool threads,
-    # interleaved, against CPU eager.
+    # Small and large runs, interleaved, against CPU eager.
     code = """
 import torch, rgpu
 g = torch.Generator().manual_seed(0)
