@@ -1297,9 +1297,9 @@ bool autogradRecords(const c10::OperatorHandle &op, const torch::jit::Stack &sta
   return false;
 }
 
-/// The kernel for rgpu's autograd key of a composite op in wholeWithoutGrad(): its composite
-/// kernel when autograd records the call, which then decomposes as before; otherwise the op
-/// goes below autograd whole, through functionalization to the tracer, as one node.
+/// The kernel for rgpu's autograd key of a composite op in registerWholeWithoutGrad(): its
+/// composite kernel when autograd records the call, which then decomposes as before; otherwise
+/// the op goes below autograd whole, through functionalization to the tracer, as one node.
 class WholeWithoutGrad final : public c10::OperatorKernel {
 public:
   explicit WholeWithoutGrad(c10::SafeKernelFunction composite) : composite_(std::move(composite)) {}
