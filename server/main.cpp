@@ -360,7 +360,7 @@ void serveSlots(Server *server) {
       server->poolCv.wait(lock, [&] { return !server->runnable.empty(); });
       slot = std::move(server->runnable.front());
       server->runnable.pop_front();
-      server->queued.fetch_sub(1, std::memory_order_relaxed);
+      server->queued.fetch_sub(1);
     }
     net::Frame frame;
     bool stop = false;

@@ -1310,12 +1310,17 @@ public:
       return composite_.callBoxed(op, keys, stack);
     const size_t base = stack->size() - op.schema().arguments().size();
     torch::jit::Stack args(stack->begin() + base, stack->end());
+    const uint64_t traced = Session::get().counters().opsTraced.load();
     try {
       at::AutoDispatchBelowADInplaceOrView below;
       op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
     } catch (const std::exception &) {
+      // An error after the op was traced (a cut at the node cap that lost the session) is the
+      // call's own.
+      if (Session::get().counters().opsTraced.load() != traced)
+        throw;
       // A bad call (shapes that cannot be multiplied) raises from the composite's own ops, so
-      // that its message is CPU eager's, not the whole op's meta kernel's. Nothing was traced.
+      // that its message is CPU eager's, not the whole op's meta kernel's.
       stack->resize(base);
       stack->insert(stack->end(), args.begin(), args.end());
       composite_.callBoxed(op, keys, stack);

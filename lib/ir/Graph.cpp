@@ -70,14 +70,14 @@ std::string name(int8_t d) {
   case ComplexDouble: return "c128";
   case Bool: return "b8";
   case BFloat16: return "bf16";
-  case 23: return "f8e5m2";
-  case 24: return "f8e4m3fn";
-  case 25: return "f8e5m2fnuz";
-  case 26: return "f8e4m3fnuz";
-  case 27: return "u16";
-  case 28: return "u32";
-  case 29: return "u64";
-  case 44: return "f8e8m0fnu";
+  case Float8_e5m2: return "f8e5m2";
+  case Float8_e4m3fn: return "f8e4m3fn";
+  case Float8_e5m2fnuz: return "f8e5m2fnuz";
+  case Float8_e4m3fnuz: return "f8e4m3fnuz";
+  case UInt16: return "u16";
+  case UInt32: return "u32";
+  case UInt64: return "u64";
+  case Float8_e8m0fnu: return "f8e8m0fnu";
   case Undefined: return "undefined";
   default: return "dtype<" + std::to_string(int(d)) + ">";
   }
@@ -85,10 +85,11 @@ std::string name(int8_t d) {
 unsigned itemSize(int8_t d) {
   switch (d) {
   case Byte: case Char: case Bool: return 1;
-  case 23: case 24: case 25: case 26: case 44: return 1; // float8 variants
-  case Short: case Half: case BFloat16: case 27: return 2; // 27: uint16
-  case Int: case Float: case ComplexHalf: case 28: return 4; // 28: uint32
-  case Long: case Double: case ComplexFloat: case 29: return 8; // 29: uint64
+  case Float8_e5m2: case Float8_e4m3fn: case Float8_e5m2fnuz: case Float8_e4m3fnuz:
+  case Float8_e8m0fnu: return 1;
+  case Short: case Half: case BFloat16: case UInt16: return 2;
+  case Int: case Float: case ComplexHalf: case UInt32: return 4;
+  case Long: case Double: case ComplexFloat: case UInt64: return 8;
   case ComplexDouble: return 16;
   default: return 0; // quantized, bit-packed and sub-byte types are not carried
   }

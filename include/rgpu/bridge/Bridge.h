@@ -22,8 +22,14 @@ namespace rgpu::bridge {
 ir::TensorMeta metaOf(const at::Tensor &t);
 ir::TensorMeta metaOf(const c10::TensorImpl &t);
 
-/// ATen's ScalarType for a graph's dtype number.
+/// ATen's ScalarType for a graph's dtype number: the numbers are ScalarType's.
 inline at::ScalarType scalarType(int8_t dtype) { return static_cast<at::ScalarType>(dtype); }
+static_assert(int(at::ScalarType::BFloat16) == ir::dtype::BFloat16 &&
+              int(at::ScalarType::Float8_e5m2) == ir::dtype::Float8_e5m2 &&
+              int(at::ScalarType::Float8_e4m3fnuz) == ir::dtype::Float8_e4m3fnuz &&
+              int(at::ScalarType::UInt16) == ir::dtype::UInt16 &&
+              int(at::ScalarType::UInt64) == ir::dtype::UInt64 &&
+              int(at::ScalarType::Float8_e8m0fnu) == ir::dtype::Float8_e8m0fnu);
 
 /// The libtorch version this process runs, "2.13.0".
 std::string torchVersion();

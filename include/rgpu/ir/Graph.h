@@ -47,7 +47,9 @@ std::pair<llvm::StringRef, llvm::StringRef> splitOpName(llvm::StringRef name);
 namespace dtype {
 constexpr int8_t Byte = 0, Char = 1, Short = 2, Int = 3, Long = 4, Half = 5, Float = 6,
                  Double = 7, ComplexHalf = 8, ComplexFloat = 9, ComplexDouble = 10, Bool = 11,
-                 BFloat16 = 15;
+                 BFloat16 = 15, Float8_e5m2 = 23, Float8_e4m3fn = 24, Float8_e5m2fnuz = 25,
+                 Float8_e4m3fnuz = 26, UInt16 = 27, UInt32 = 28, UInt64 = 29,
+                 Float8_e8m0fnu = 44;
 /// The dtype of a node output that is an undefined tensor (e.g. a gradient not asked for).
 constexpr int8_t Undefined = -1;
 /// Short name used in dumps: "f32", "i64", "bf16"; "dtype<N>" for the rest.
