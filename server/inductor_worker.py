@@ -370,11 +370,42 @@ def export(graph, device, values):
     raise Unsupported(f"more than {MAX_EXPORTS} exports to find the constant scalars")
 
 
+def declare_replaced_symbols():
+    """AOTInductor declares, in the package's C++, a size symbol that shape solving replaced by
+    another symbol (the deferred runtime asserts still name it), but not one replaced by an
+    expression: a dynamic cache one longer than the mask built from a scalar gives s65 = s2 + 1,
+    and the C++ fails to compile ('s65' was not declared). This declares those too, once every
+    symbol of their expression is. Without the hook (another torch) nothing changes."""
+    import sympy
+    from torch._inductor.codegen import cpp_wrapper_cpu
+    from torch._inductor.codegen.cpp_utils import cexpr
+    from torch._inductor.virtualized import V
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    cls = cpp_wrapper_cpu.CppWrapperCpu
+    original = getattr(cls, "codegen_input_symbol_assignment", None)
+    if original is None or getattr(original, "declares_replaced", False):
+        return
+
+    def assign(self, name, value, bound_vars):
+        original(self, name, value, bound_vars)
+        for src, expr in V.graph.sizevars.shape_env.replacements.items():
+            if (isinstance(src, sympy.Symbol) and src not in bound_vars
+                    and not symbol_is_type(src, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))
+                    and expr.free_symbols and all(s in bound_vars for s in expr.free_symbols)):
+                self.prefix.writeline(f"int64_t {src} = {cexpr(expr)};")
+                bound_vars.add(src)
+
+    assign.declares_replaced = True
+    cls.codegen_input_symbol_assignment = assign
+
+
 def compile_graph(job):
     """Exports and AOT-compiles the job's graph into job["package"] (atomically). Returns the
     number of FX nodes, the (slot, value) pairs compiled as constants, and a symbolic graph's
     ranges and ties (symbol_ranges)."""
     values = job["values"]
+    declare_replaced_symbols()
     exported, specialized = export(job, job["device"], values)
     ranges, relations = symbol_ranges(job, exported)
     options = {}

@@ -215,9 +215,9 @@ def test_inductor_compiles_a_symbolic_graph_once_for_every_shape(tmp_path):
 INDUCTOR_GENERATION = """
 import json, sys, time, torch, rgpu
 sys.path.insert(0, {examples!r})
-from generation import GPT2Style, generate
+from generation import {model}, generate
 torch.manual_seed(0)
-model = GPT2Style(layers=1).eval()
+model = {model}(layers=1).eval()
 prompt = torch.randint(0, model.vocab, (1, 6))
 expected = generate(model, prompt, 12)
 model.to("rgpu")
@@ -233,12 +233,15 @@ print(json.dumps({{"same": torch.equal(first, expected) and torch.equal(second, 
 """
 
 
-def test_inductor_compiles_the_decoding_step_once_with_its_sizes_tied(tmp_path):
+@pytest.mark.parametrize("model", ["GPT2Style", "LlamaStyle"])
+def test_inductor_compiles_the_decoding_step_once_with_its_sizes_tied(tmp_path, model):
     # The decoding step's cache length and its mask's length are two symbols to the client;
     # export finds the mask one longer and the package holds for that tie, which the server
     # checks per run. Only the symbolic step runs often enough (3 times) to be compiled.
+    # Llama's rotary positions come from an arange of the cache's length, a Python int: its
+    # package relates that scalar to the cache's size symbol.
     out = on_inductor_server(tmp_path, 3, INDUCTOR_GENERATION.format(
-        examples=os.path.join(os.path.dirname(__file__), "..", "..", "examples")))
+        model=model, examples=os.path.join(os.path.dirname(__file__), "..", "..", "examples")))
     assert out["same"]
     stats = out["server"]
     assert stats["inductor_compiles"] == 1 and stats["compile_failures"] == 0, stats
