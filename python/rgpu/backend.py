@@ -59,6 +59,24 @@ def check_ops(gm, stage):
                     f"compiled function, or write it with aten ops{_where(node)}")
 
 
+def lower_prims(gm):
+    """Rewrites the prims that aot_autograd's decompositions leave in a graph (arithmetic on a
+    symbolic size, such as GPT-2's `size(-1) ** 0.5` with dynamic shapes) as the aten op that
+    computes the same: ``prims.convert_element_type(x, dtype)`` is ``aten._to_copy(x,
+    dtype=dtype)``. Any other prim stays, for check_ops to name."""
+    convert = torch.ops.prims.convert_element_type.default
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is convert:
+            x, dtype = node.args
+            node.target = torch.ops.aten._to_copy.default
+            node.args = (x,)
+            node.kwargs = {"dtype": dtype}
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def _dynamic_dims(gm):
     """Per placeholder of ``gm``, the dimensions its example value has as symbols (dynamo's
     dynamic shapes), or None."""
@@ -74,6 +92,7 @@ def _dynamic_dims(gm):
 
 
 def _region(gm, stage, executor):
+    lower_prims(gm)
     check_ops(gm, stage)
     dynamic = _dynamic_dims(gm)
 

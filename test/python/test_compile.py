@@ -117,6 +117,31 @@ def test_dynamic_shapes_ship_one_graph_per_region_over_five_shapes(train):
         assert reasons.count(f"torch.compile {region} graph") == 1, reasons
 
 
+def test_python_floats_under_dynamic_shapes_are_computed_on_the_server():
+    # With dynamic=True dynamo makes a Python float an input of the graph and its math
+    # (Hugging Face GPT-2's GELU: math.sqrt(2.0 / math.pi)) tensor ops, converted with
+    # prims.convert_element_type, which the server runs as aten._to_copy.
+    import math
+
+    def f(x, c):
+        return x * math.sqrt(2.0 / c) + torch.tanh(x) * c
+
+    compiled = torch.compile(f, backend="rgpu", dynamic=True)
+    known = {g["hash"] for g in rgpu._C.metrics()["graphs"]}
+    for n, c in ((3, 3.5), (5, 2.5), (8, 1.5), (4, 0.75)):
+        x = torch.randn(2, n, requires_grad=True)
+        dx = x.detach().to("rgpu").requires_grad_()
+        out = compiled(dx, c)
+        expected = f(x, c)
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-6)
+        out.sum().backward()
+        expected.sum().backward()
+        torch.testing.assert_close(dx.grad.cpu(), x.grad, rtol=1e-5, atol=1e-6)
+    reasons = [g["reason"] for g in rgpu._C.metrics()["graphs"] if g["hash"] in new_graphs(known)]
+    for region in ("forward", "backward"):
+        assert reasons.count(f"torch.compile {region} graph") == 1, reasons
+
+
 def test_inference_under_no_grad():
     torch.manual_seed(0)
     cpu = mlp().eval()
