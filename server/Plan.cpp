@@ -432,6 +432,8 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
       const std::string &arg = schema.arguments()[i].name();
       if (arg == "input")
         step.statDtypeSlot = i;
+      if (arg == "weight" || arg == "bias" || arg == "running_mean" || arg == "running_var")
+        step.paramSlots.push_back(i);
       if (arg == "mean" || arg == "rstd" || arg == "save_mean" || arg == "save_invstd" ||
           arg == "save_var") // batch_norm_backward's name for the saved inverse deviation
         step.statSlots.push_back(i);
@@ -677,9 +679,15 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
         }
         // The statistics are float32 as the meta kernels promise (conformToMeta); CPU's
         // backward kernels of bf16/fp16 norms want them in the input's dtype, as its forward
-        // kernels made them.
+        // kernels made them, except in mixed precision (a bf16/fp16 input with float32
+        // parameters or running statistics, as autocast leaves a batch norm), where they stay
+        // float32.
         if (!step.statSlots.empty() && ctx.devices[0].is_cpu()) {
           c10::ScalarType want = stack[step.statDtypeSlot].toTensor().scalar_type();
+          for (uint32_t i : step.paramSlots)
+            if (stack[i].isTensor() && stack[i].toTensor().defined() &&
+                stack[i].toTensor().scalar_type() == at::kFloat)
+              want = at::kFloat;
           for (uint32_t i : step.statSlots)
             if (stack[i].isTensor() && stack[i].toTensor().defined() &&
                 stack[i].toTensor().scalar_type() != want)

@@ -150,6 +150,8 @@ private:
     /// the slots of those statistics, and of the input whose dtype they get (see Plan.cpp).
     std::vector<uint32_t> statSlots;
     uint32_t statDtypeSlot = 0;
+    /// The norm's parameters and running statistics: float32 ones keep them float32.
+    std::vector<uint32_t> paramSlots;
     /// Runs in place of the op on a CPU device, where CUDA has a kernel CPU lacks
     /// (StandIns.h); null for most ops.
     StandIn cpuStandIn = nullptr;

@@ -112,3 +112,37 @@ def test_a_scaled_step_with_a_fused_optimizer_costs_no_extra_wait():
     assert scales == cpu_scales
     # loss.item() is the only wait of a step (the test reads the scale after counting).
     assert waits[2:] == [1] * (len(waits) - 2), waits
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_a_cnn_with_batch_norm_trains_under_bf16_autocast_like_cpu(channels_last):
+    # Autocast leaves batch norm to a bf16 input with float32 parameters; its backward on a
+    # CPU server takes the saved statistics in float32, as CPU's forward made them.
+    def train(device):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                            nn.Conv2d(8, 8, 3, stride=2), nn.BatchNorm2d(8, affine=False),
+                            nn.SiLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+        net = net.to(device, memory_format=torch.channels_last if channels_last else
+                     torch.contiguous_format)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x = torch.randn(4, 3, 12, 12, generator=gen)
+            y = torch.randint(0, 5, (4,), generator=gen)
+            if channels_last:
+                x = x.to(memory_format=torch.channels_last)
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = F.cross_entropy(net(x.to(device)), y.to(device))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [t.cpu().float() for t in net.state_dict().values()]
+
+    cpu_losses, cpu_state = train("cpu")
+    dev_losses, dev_state = train(R)
+    torch.testing.assert_close(dev_losses, cpu_losses, rtol=2e-2, atol=2e-2)
+    for a, b in zip(dev_state, cpu_state):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
