@@ -18,6 +18,7 @@
 
 #include <llvm/ADT/DenseMap.h>
 
+#include <atomic>
 #include <unordered_map>
 
 namespace py = pybind11;
@@ -153,18 +154,29 @@ uint32_t publicLocation() {
 
 /// The innermost frame outside torch and rgpu: the user's line. torch's bindings release the
 /// GIL around an op; a loop that runs the same lines again finds them without taking it back.
+/// The last user's line found on any thread: ops traced where no user code runs (autograd's
+/// device thread, running a backward) are put on the line that started them.
+std::atomic<uint32_t> gLastLocation{0};
+
+uint32_t withFallback(uint32_t id) {
+  if (id == 0)
+    return gLastLocation.load(std::memory_order_relaxed);
+  gLastLocation.store(id, std::memory_order_relaxed);
+  return id;
+}
+
 uint32_t userLocation() {
   if (!Py_IsInitialized())
     return 0;
   uint32_t id = 0;
   if (rgpu_frames_available() && frameLocation(id, false))
-    return id;
+    return withFallback(id);
   py::gil_scoped_acquire gil;
   if (rgpu_frames_available())
     frameLocation(id, true);
   else
     id = publicLocation();
-  return id;
+  return withFallback(id);
 }
 
 } // namespace

@@ -65,6 +65,23 @@ def test_trace_dump_shows_symbols_and_diffs_what_was_generalized(server, tmp_pat
                                          "f32[8,16] vs f32[s0,16]" in text), text
 
 
+def test_backward_ops_are_put_on_the_line_that_called_backward(server, tmp_path):
+    # Autograd runs the backward on a thread of its own, where no user code runs: its ops
+    # (and their errors) name the line that called backward().
+    cache = tmp_path / "graphs"
+    code = ("import torch, rgpu\n"
+            "x = torch.randn(4, 3, device='rgpu', requires_grad=True)\n"
+            "y = (x.sin() * 2).sum()\n"
+            "y.backward()\n"
+            "print(x.grad.sum().item())\n")
+    r = run_client(server.address, code, env={"RGPU_CACHE_DIR": str(cache)})
+    assert r.returncode == 0, r.stderr
+    graph = dump(cache, "list").stdout.split()[0]
+    shown = dump(cache, "show", graph).stdout
+    cos = [line for line in shown.splitlines() if "aten::cos" in line]
+    assert len(cos) == 1 and cos[0].endswith("# <string>:4"), shown
+
+
 def test_trace_dump_errors_are_one_line(tmp_path):
     empty = dump(tmp_path, "list")
     assert empty.returncode != 0 and "no graphs" in empty.stderr
