@@ -375,12 +375,15 @@ def declare_replaced_symbols():
     another symbol (the deferred runtime asserts still name it), but not one replaced by an
     expression: a dynamic cache one longer than the mask built from a scalar gives s65 = s2 + 1,
     and the C++ fails to compile ('s65' was not declared). This declares those too, once every
-    symbol of their expression is. Without the hook (another torch) nothing changes."""
-    import sympy
-    from torch._inductor.codegen import cpp_wrapper_cpu
-    from torch._inductor.codegen.cpp_utils import cexpr
-    from torch._inductor.virtualized import V
-    from torch.utils._sympy.symbol import SymT, symbol_is_type
+    symbol of their expression is. A torch without these internals compiles as it would."""
+    try:
+        import sympy
+        from torch._inductor.codegen import cpp_wrapper_cpu
+        from torch._inductor.codegen.cpp_utils import cexpr
+        from torch._inductor.virtualized import V
+        from torch.utils._sympy.symbol import SymT, symbol_is_type
+    except ImportError:
+        return
 
     cls = cpp_wrapper_cpu.CppWrapperCpu
     original = getattr(cls, "codegen_input_symbol_assignment", None)

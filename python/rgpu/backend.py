@@ -60,10 +60,11 @@ def check_ops(gm, stage):
 
 
 def lower_prims(gm):
-    """Rewrites the prims that aot_autograd's decompositions leave in a graph (arithmetic on a
-    symbolic size, such as GPT-2's `size(-1) ** 0.5` with dynamic shapes) as the aten op that
-    computes the same: ``prims.convert_element_type(x, dtype)`` is ``aten._to_copy(x,
-    dtype=dtype)``. Any other prim stays, for check_ops to name."""
+    """Rewrites the prims that dynamo leaves in a graph as the aten op that computes the same.
+    With dynamic shapes it makes a Python float a graph input and its math tensor ops (Hugging
+    Face GPT-2's GELU computes ``math.sqrt(2.0 / math.pi)``), converted with
+    ``prims.convert_element_type(x, dtype)``: that is ``aten._to_copy(x, dtype=dtype)``. Any
+    other prim stays, for check_ops to name."""
     convert = torch.ops.prims.convert_element_type.default
     changed = False
     for node in gm.graph.nodes:

@@ -152,8 +152,6 @@ uint32_t publicLocation() {
   return id;
 }
 
-/// The innermost frame outside torch and rgpu: the user's line. torch's bindings release the
-/// GIL around an op; a loop that runs the same lines again finds them without taking it back.
 /// The last user's line found on any thread: ops traced where no user code runs (autograd's
 /// device thread, running a backward) are put on the line that started them.
 std::atomic<uint32_t> gLastLocation{0};
@@ -165,6 +163,8 @@ uint32_t withFallback(uint32_t id) {
   return id;
 }
 
+/// The innermost frame outside torch and rgpu: the user's line. torch's bindings release the
+/// GIL around an op; a loop that runs the same lines again finds them without taking it back.
 uint32_t userLocation() {
   if (!Py_IsInitialized())
     return 0;
