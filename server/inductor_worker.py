@@ -178,7 +178,12 @@ class Interpreter:
                 scalars.append(self.values[slot])
             else:
                 v = t.item()
-                self.symbols[str(v.node.expr)] = slot
+                # A bool's expression is a test of an integer symbol (Eq(u13, 1)): a failed
+                # guard names that symbol.
+                expr = v.node.expr
+                self.symbols[str(expr)] = slot
+                for s in getattr(expr, "free_symbols", ()):
+                    self.symbols.setdefault(str(s), slot)
                 scalars.append(v)
         for op, node in self.steps:
             outs = self.call(op, node, env, scalars)

@@ -150,6 +150,33 @@ def test_graphs_with_unchecked_indexing_stay_on_the_plan(tmp_path):
     assert all(g["executor"] == "plan" for g in stats["session"]["graphs"]), stats
 
 
+def test_a_python_bool_that_an_op_promotes_is_compiled_as_a_constant(tmp_path):
+    # `mask & flag` with a Python bool (Hugging Face's stopping criteria): export cannot branch
+    # on the bool's unbacked symbol, so the worker compiles its slot as a constant; a run with
+    # the other value runs on the plan.
+    server = inductor_server(str(tmp_path), "--compile-after", "1")
+    code = (
+        "import json, time, torch, rgpu\n"
+        "x = torch.tensor([[1., 2.], [3., 0.]])\n"
+        "def f(t, flag):\n"
+        "    return (t > 0).all(-1, keepdim=True) & flag\n"
+        "for k in range(4):\n"
+        "    flag = k != 3\n"
+        "    r = f(x.to('rgpu'), flag).cpu()\n"
+        "    assert torch.equal(r, f(x, flag)), (k, r)\n"
+        "    while rgpu.server_stats()['compiles_pending']:\n"
+        "        time.sleep(0.2)\n"
+        "print(json.dumps(rgpu.server_stats()))\n")
+    try:
+        r = run_client(server.address, code, timeout=600)
+        assert r.returncode == 0, r.stderr + "".join(server.log)
+        stats = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        server.stop()
+    assert stats["inductor_compiles"] >= 1 and stats["compile_failures"] == 0, stats
+    assert stats["session"]["compiled_runs"] >= 1, stats
+
+
 def test_the_inductor_compiler_needs_a_python():
     # The native program, started without the rgpu-opserver command that names the Python.
     native = os.path.join(REPO, "python", "rgpu", "bin", "rgpu-opserver")
