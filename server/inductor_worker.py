@@ -321,6 +321,9 @@ def example_inputs(graph, device):
 # Scalar arguments that decompositions commonly branch on (`beta == 0`, `alpha == 1`); they are
 # compiled as constants from the start rather than discovered one failed export at a time.
 BRANCHY_ARGS = {"alpha", "beta"}
+# Scalar arguments that Inductor's lowerings turn into Python numbers, which a symbol cannot be
+# (a pad's fill value, as F.pad(x, (0, 1), value=v) gives it).
+LOWERED_AS_NUMBERS = {"aten::constant_pad_nd": {"value"}}
 MAX_EXPORTS = 16
 
 
@@ -328,11 +331,12 @@ def branchy_slots(graph):
     slots = set()
     for node in graph["nodes"]:
         op = resolve(node["run_op"])
+        numbers = LOWERED_AS_NUMBERS.get(op._schema.name, ())
         at = 0
         for schema_arg in op._schema.arguments:
             kind, value = node["args"][at]
             at += 1 + (value if kind == "list" else 0)
-            if kind == "scalar" and schema_arg.name in BRANCHY_ARGS:
+            if kind == "scalar" and (schema_arg.name in BRANCHY_ARGS or schema_arg.name in numbers):
                 slots.add(value)
     return slots
 

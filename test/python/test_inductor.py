@@ -150,20 +150,21 @@ def test_graphs_with_unchecked_indexing_stay_on_the_plan(tmp_path):
     assert all(g["executor"] == "plan" for g in stats["session"]["graphs"]), stats
 
 
-def test_a_python_bool_that_an_op_promotes_is_compiled_as_a_constant(tmp_path):
+@pytest.mark.parametrize("expr", ["(t > 0).all(-1, keepdim=True) & (k != 3)",
+                                  "torch.nn.functional.pad(t, (0, 1), value=1.5 + (k == 3))"],
+                         ids=["bool-flag", "pad-value"])
+def test_scalars_inductor_cannot_take_as_symbols_are_compiled_as_constants(tmp_path, expr):
     # `mask & flag` with a Python bool (Hugging Face's stopping criteria): export cannot branch
-    # on the bool's unbacked symbol, so the worker compiles its slot as a constant; a run with
-    # the other value runs on the plan.
+    # on the bool's unbacked symbol. A pad's fill value: Inductor's lowering makes it a Python
+    # number. Either slot is compiled as a constant; a run with another value runs on the plan.
     server = inductor_server(str(tmp_path), "--compile-after", "1")
     code = (
         "import json, time, torch, rgpu\n"
         "x = torch.tensor([[1., 2.], [3., 0.]])\n"
-        "def f(t, flag):\n"
-        "    return (t > 0).all(-1, keepdim=True) & flag\n"
+        f"f = lambda t, k: {expr}\n"
         "for k in range(4):\n"
-        "    flag = k != 3\n"
-        "    r = f(x.to('rgpu'), flag).cpu()\n"
-        "    assert torch.equal(r, f(x, flag)), (k, r)\n"
+        "    r = f(x.to('rgpu'), k).cpu()\n"
+        "    assert torch.equal(r, f(x, k)), (k, r)\n"
         "    while rgpu.server_stats()['compiles_pending']:\n"
         "        time.sleep(0.2)\n"
         "print(json.dumps(rgpu.server_stats()))\n")
