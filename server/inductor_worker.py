@@ -20,6 +20,7 @@ CompileResult and a traceback on stderr.
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -328,7 +329,11 @@ MAX_EXPORTS = 16
 
 
 def branchy_slots(graph):
-    slots = set()
+    """The scalar slots compiled as constants from the start: BRANCHY_ARGS, LOWERED_AS_NUMBERS,
+    and every Python bool, which Inductor's lowerings take only as a constant (a scatter's
+    value, say); a bool has two values, so a graph needs at most the plan for the other one."""
+    slots = {slot for slot, (dtype, form) in enumerate(graph["scalars"])
+             if DTYPES[dtype] is torch.bool and form != TENSOR_0D}
     for node in graph["nodes"]:
         op = resolve(node["run_op"])
         numbers = LOWERED_AS_NUMBERS.get(op._schema.name, ())
@@ -341,8 +346,10 @@ def branchy_slots(graph):
     return slots
 
 
-def export(graph, device, values):
-    """Exports the graph, making constants of the scalar slots that control flow depends on."""
+def export(graph, device, values, specialized):
+    """Exports the graph, making constants of the scalar slots in \p specialized and of those
+    that control flow depends on. Returns the program, the constant slots and, per unbacked
+    symbol's name, the slot it reads."""
     from torch._dynamo.exc import UserError, UserErrorType
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -350,7 +357,6 @@ def export(graph, device, values):
     torch._dynamo.config.capture_scalar_outputs = True
     inputs = example_inputs(graph, device)
     shapes = dynamic_shapes(graph)
-    specialized = branchy_slots(graph)
     for _ in range(MAX_EXPORTS):
         interpreter = Interpreter(graph, device, values, specialized)
         try:
@@ -360,7 +366,7 @@ def export(graph, device, values):
                 return torch.export.export(_Module(interpreter), inputs, strict=False,
                                            dynamic_shapes=shapes,
                                            prefer_deferred_runtime_asserts_over_guards=True), \
-                    specialized
+                    specialized, interpreter.symbols
         except UserError as e:
             # Sizes the graph ties together that the client saw as independent symbols (a mask
             # one longer than the cache it covers): export them tied, as export suggests; the
@@ -375,7 +381,7 @@ def export(graph, device, values):
             slots = {interpreter.symbols.get(str(s)) for s in e.cond.free_symbols} - {None}
             if not slots or slots <= specialized:
                 raise
-            specialized |= slots
+            specialized = specialized | slots
     raise Unsupported(f"more than {MAX_EXPORTS} exports to find the constant scalars")
 
 
@@ -418,20 +424,33 @@ def compile_graph(job):
     ranges and ties (symbol_ranges)."""
     values = job["values"]
     declare_replaced_symbols()
-    exported, specialized = export(job, job["device"], values)
-    ranges, relations = symbol_ranges(job, exported)
     options = {}
     if job["mode"] == "max-autotune":
         options["max_autotune"] = True
     out_path = job["package"]
     tmp = f"{out_path}.tmp{os.getpid()}.pt2"  # AOTInductor wants the suffix
-    try:
-        torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
-                                                 inductor_configs=options)
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    specialized = branchy_slots(job)
+    for _ in range(MAX_EXPORTS):
+        exported, specialized, symbols = export(job, job["device"], values, specialized)
+        try:
+            torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
+                                                     inductor_configs=options)
+            os.replace(tmp, out_path)
+            break
+        except Exception as e:
+            # Inductor traces the exported program again, and may need to know what export
+            # left to a runtime check about a scalar (a mask as long as an arange of a Python
+            # int, against a cache's length): that scalar is compiled as a constant too.
+            named = {symbols.get(name) for name in re.findall(r"\b(?:u|zuf)\d+\b", str(e))}
+            if not named - {None} or named - {None} <= specialized:
+                raise
+            specialized = specialized | (named - {None})
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    else:
+        raise Unsupported(f"more than {MAX_EXPORTS} compiles to find the constant scalars")
+    ranges, relations = symbol_ranges(job, exported)
     return (len(exported.graph.nodes), [(slot, values[slot]) for slot in sorted(specialized)],
             ranges, relations)
 

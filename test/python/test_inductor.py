@@ -151,12 +151,14 @@ def test_graphs_with_unchecked_indexing_stay_on_the_plan(tmp_path):
 
 
 @pytest.mark.parametrize("expr", ["(t > 0).all(-1, keepdim=True) & (k != 3)",
+                                  "(t > 1).scatter(1, (t > 2).long(), k != 3)",
                                   "torch.nn.functional.pad(t, (0, 1), value=1.5 + (k == 3))"],
-                         ids=["bool-flag", "pad-value"])
+                         ids=["bool-flag", "bool-scatter", "pad-value"])
 def test_scalars_inductor_cannot_take_as_symbols_are_compiled_as_constants(tmp_path, expr):
     # `mask & flag` with a Python bool (Hugging Face's stopping criteria): export cannot branch
-    # on the bool's unbacked symbol. A pad's fill value: Inductor's lowering makes it a Python
-    # number. Either slot is compiled as a constant; a run with another value runs on the plan.
+    # on the bool's unbacked symbol; a scatter's bool value: Inductor's lowering takes only a
+    # constant. A pad's fill value: the lowering makes it a Python number. Each slot is
+    # compiled as a constant; a run with another value runs on the plan.
     server = inductor_server(str(tmp_path), "--compile-after", "1")
     code = (
         "import json, time, torch, rgpu\n"
