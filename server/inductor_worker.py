@@ -179,12 +179,7 @@ class Interpreter:
                 scalars.append(self.values[slot])
             else:
                 v = t.item()
-                # A bool's expression is a test of an integer symbol (Eq(u13, 1)): a failed
-                # guard names that symbol.
-                expr = v.node.expr
-                self.symbols[str(expr)] = slot
-                for s in getattr(expr, "free_symbols", ()):
-                    self.symbols.setdefault(str(s), slot)
+                self.symbols[str(v.node.expr)] = slot
                 scalars.append(v)
         for op, node in self.steps:
             outs = self.call(op, node, env, scalars)
@@ -328,7 +323,7 @@ LOWERED_AS_NUMBERS = {"aten::constant_pad_nd": {"value"}}
 MAX_EXPORTS = 16
 
 
-def branchy_slots(graph):
+def constant_slots(graph):
     """The scalar slots compiled as constants from the start: BRANCHY_ARGS, LOWERED_AS_NUMBERS,
     and every Python bool, which Inductor's lowerings take only as a constant (a scatter's
     value, say); a bool has two values, so a graph needs at most the plan for the other one."""
@@ -429,7 +424,7 @@ def compile_graph(job):
         options["max_autotune"] = True
     out_path = job["package"]
     tmp = f"{out_path}.tmp{os.getpid()}.pt2"  # AOTInductor wants the suffix
-    specialized = branchy_slots(job)
+    specialized = constant_slots(job)
     for _ in range(MAX_EXPORTS):
         exported, specialized, symbols = export(job, job["device"], values, specialized)
         try:
@@ -442,9 +437,10 @@ def compile_graph(job):
             # left to a runtime check about a scalar (a mask as long as an arange of a Python
             # int, against a cache's length): that scalar is compiled as a constant too.
             named = {symbols.get(name) for name in re.findall(r"\b(?:u|zuf)\d+\b", str(e))}
-            if not named - {None} or named - {None} <= specialized:
+            named.discard(None)
+            if named <= specialized:
                 raise
-            specialized = specialized | (named - {None})
+            specialized = specialized | named
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
