@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include <fcntl.h>
 #include <signal.h>
@@ -27,6 +28,12 @@
 #include <unistd.h>
 
 extern char **environ;
+
+// OpenMP's and MKL's per-thread team sizes, from the libraries libtorch loaded (weak: a torch
+// built without them leaves these null).
+extern "C" int omp_get_max_threads() __attribute__((weak));
+extern "C" void omp_set_num_threads(int) __attribute__((weak));
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak)); // MKL's C entry point
 
 namespace rgpu::server {
 
@@ -41,6 +48,37 @@ constexpr size_t kMaxStates = 8192;
 
 /// Bumped whenever inductor_worker.py changes what it builds from the same graph.
 constexpr const char *kWorkerFormat = "3";
+
+/// A compiled run whose every input and output has at most this many elements runs on one
+/// thread (ATen parallelizes elementwise work from 32,768 elements).
+constexpr int64_t kOneThreadElements = 65536;
+
+/// Runs the calling thread's OpenMP regions and MKL calls on one thread while it lives, and
+/// restores its team size after. Both settings are the calling thread's own, so the pool's
+/// other threads keep theirs.
+class OneThread {
+public:
+  OneThread() {
+    if (omp_get_max_threads && omp_set_num_threads) {
+      saved_ = omp_get_max_threads();
+      omp_set_num_threads(1);
+    }
+    if (MKL_Set_Num_Threads_Local)
+      mklSaved_ = MKL_Set_Num_Threads_Local(1);
+  }
+  ~OneThread() {
+    if (saved_ > 0)
+      omp_set_num_threads(saved_);
+    if (MKL_Set_Num_Threads_Local)
+      MKL_Set_Num_Threads_Local(mklSaved_);
+  }
+  OneThread(const OneThread &) = delete;
+  OneThread &operator=(const OneThread &) = delete;
+
+private:
+  int saved_ = 0;
+  int mklSaved_ = 0;
+};
 
 std::string hex64(uint64_t v) {
   char buf[17];
@@ -148,6 +186,21 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
                         llvm::ArrayRef<ir::ScalarValue> scalars, std::vector<Entry> &outputs,
                         const Shapes *shapes) const {
   const ir::Graph &g = plan.graph();
+  std::vector<const ir::TensorMeta *> metas = shapes ? shapes->metas : g.valueMetas();
+  // A small run spends more waking OpenMP's team than computing (see docs/architecture.md,
+  // "Threads of a run").
+  bool small = true;
+  for (const Entry &e : inputs)
+    small = small && e.tensor.device().is_cpu() && e.tensor.numel() <= kOneThreadElements;
+  for (uint32_t out : g.outputs) {
+    int64_t n = 1;
+    for (int64_t d : metas[out]->sizes)
+      n = d > 0 && n > kOneThreadElements / d ? kOneThreadElements + 1 : n * d;
+    small = small && n <= kOneThreadElements;
+  }
+  std::optional<OneThread> oneThread;
+  if (small)
+    oneThread.emplace();
   c10::InferenceMode inference;
   std::vector<at::Tensor> args;
   args.reserve(inputs.size() + scalars.size());
@@ -161,7 +214,6 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
   if (results.size() != g.outputs.size())
     throw std::runtime_error("the compiled graph returned " + std::to_string(results.size()) +
                              " outputs, the graph has " + std::to_string(g.outputs.size()));
-  std::vector<const ir::TensorMeta *> metas = shapes ? shapes->metas : g.valueMetas();
   outputs.clear();
   outputs.reserve(results.size());
   for (size_t k = 0; k < results.size(); ++k) {
