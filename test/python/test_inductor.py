@@ -180,6 +180,35 @@ def test_scalars_inductor_cannot_take_as_symbols_are_compiled_as_constants(tmp_p
     assert stats["session"]["compiled_runs"] >= 1, stats
 
 
+def test_small_compiled_runs_take_one_thread_and_give_the_team_back(tmp_path):
+    # A compiled run of a small graph runs on one thread (one-row matmuls woke MKL's second
+    # thread); the pool thread's OpenMP and MKL team sizes are restored after it. One worker,
+    # so the same thread runs both graphs: the large matmul (MKL splits its 4096-long
+    # reduction between threads) must round as CPU eager's does, on the plan or compiled.
+    server = inductor_server(str(tmp_path), "--compile-after", "1", "--workers", "1")
+    code = (
+        "import json, time, torch, rgpu\n"
+        "torch.manual_seed(0)\n"
+        "a, w, x, big = torch.randn(1, 64), torch.randn(64, 64), torch.randn(1, 4096), torch.randn(4096, 64)\n"
+        "ar, wr, xr, bigr = (t.to('rgpu') for t in (a, w, x, big))\n"
+        "for step in range(4):\n"
+        "    small = (ar @ wr).relu().cpu()\n"
+        "    assert torch.allclose(small, (a @ w).relu(), rtol=1e-5, atol=1e-5), step\n"
+        "    r = (xr @ bigr).cpu()\n"
+        "    assert torch.equal(r, x @ big), (step, (r - x @ big).abs().max())\n"
+        "    while rgpu.server_stats()['compiles_pending']:\n"
+        "        time.sleep(0.2)\n"
+        "print(json.dumps(rgpu.server_stats()))\n")
+    try:
+        r = run_client(server.address, code, timeout=600)
+        assert r.returncode == 0, r.stderr + "".join(server.log)
+        stats = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        server.stop()
+    assert stats["inductor_compiles"] >= 2 and stats["compile_failures"] == 0, stats
+    assert stats["session"]["compiled_runs"] >= 4, stats
+
+
 def test_the_inductor_compiler_needs_a_python():
     # The native program, started without the rgpu-opserver command that names the Python.
     native = os.path.join(REPO, "python", "rgpu", "bin", "rgpu-opserver")
