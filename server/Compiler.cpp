@@ -47,7 +47,7 @@ constexpr int kTimedOut = -2;
 constexpr size_t kMaxStates = 8192;
 
 /// Bumped whenever inductor_worker.py changes what it builds from the same graph.
-constexpr const char *kWorkerFormat = "3";
+constexpr const char *kWorkerFormat = "4";
 
 /// A compiled run whose every input and output has at most this many elements runs on one
 /// thread (ATen parallelizes elementwise work from 32,768 elements).

@@ -419,7 +419,9 @@ def compile_graph(job):
     ranges and ties (symbol_ranges)."""
     values = job["values"]
     declare_replaced_symbols()
-    options = {}
+    # A one-row matmul (a decoding step's linear layers) becomes a multiply and a sum that
+    # Inductor fuses with its neighbours, instead of a call into the BLAS.
+    options = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
     if job["mode"] == "max-autotune":
         options["max_autotune"] = True
     out_path = job["package"]
