@@ -22,6 +22,19 @@ def run(server, workload):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def stats_on_new_server(tmp_path, code, *args):
+    """Runs client `code`, which prints the server's stats last, against a fresh inductor
+    server; returns those stats."""
+    server = inductor_server(str(tmp_path), *args)
+    try:
+        r = run_client(server.address, code, timeout=600)
+        assert r.returncode == 0, r.stderr + "".join(server.log)
+        stats = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        server.stop()
+    return stats
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("server-cache"))
@@ -159,7 +172,6 @@ def test_scalars_inductor_cannot_take_as_symbols_are_compiled_as_constants(tmp_p
     # on the bool's unbacked symbol; a scatter's bool value: Inductor's lowering takes only a
     # constant. A pad's fill value: the lowering makes it a Python number. Each slot is
     # compiled as a constant; a run with another value runs on the plan.
-    server = inductor_server(str(tmp_path), "--compile-after", "1")
     code = (
         "import json, time, torch, rgpu\n"
         "x = torch.tensor([[1., 2.], [3., 0.]])\n"
@@ -170,12 +182,7 @@ def test_scalars_inductor_cannot_take_as_symbols_are_compiled_as_constants(tmp_p
         "    while rgpu.server_stats()['compiles_pending']:\n"
         "        time.sleep(0.2)\n"
         "print(json.dumps(rgpu.server_stats()))\n")
-    try:
-        r = run_client(server.address, code, timeout=600)
-        assert r.returncode == 0, r.stderr + "".join(server.log)
-        stats = json.loads(r.stdout.strip().splitlines()[-1])
-    finally:
-        server.stop()
+    stats = stats_on_new_server(tmp_path, code, "--compile-after", "1")
     assert stats["inductor_compiles"] >= 1 and stats["compile_failures"] == 0, stats
     assert stats["session"]["compiled_runs"] >= 1, stats
 
@@ -185,7 +192,6 @@ def test_small_compiled_runs_take_one_thread_and_give_the_team_back(tmp_path):
     # thread); the pool thread's OpenMP and MKL team sizes are restored after it. One worker,
     # so the same thread runs both graphs: the large matmul (MKL splits its 4096-long
     # reduction between threads) must round as CPU eager's does, on the plan or compiled.
-    server = inductor_server(str(tmp_path), "--compile-after", "1", "--workers", "1")
     code = (
         "import json, time, torch, rgpu\n"
         "torch.manual_seed(0)\n"
@@ -199,12 +205,7 @@ def test_small_compiled_runs_take_one_thread_and_give_the_team_back(tmp_path):
         "    while rgpu.server_stats()['compiles_pending']:\n"
         "        time.sleep(0.2)\n"
         "print(json.dumps(rgpu.server_stats()))\n")
-    try:
-        r = run_client(server.address, code, timeout=600)
-        assert r.returncode == 0, r.stderr + "".join(server.log)
-        stats = json.loads(r.stdout.strip().splitlines()[-1])
-    finally:
-        server.stop()
+    stats = stats_on_new_server(tmp_path, code, "--compile-after", "1", "--workers", "1")
     assert stats["inductor_compiles"] >= 2 and stats["compile_failures"] == 0, stats
     assert stats["session"]["compiled_runs"] >= 4, stats
 
