@@ -15,11 +15,16 @@ from conftest import REPO, Server, run_client, wait_for_log
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inductor_client.py")
 
 
-def run(server, workload):
-    code = f"import runpy, sys; sys.argv = [{CLIENT!r}, {workload!r}]; runpy.run_path({CLIENT!r}, run_name='__main__')"
-    r = run_client(server.address, code, timeout=900)
+def last_json(server, code, timeout=900):
+    """Runs client `code` against `server`; returns the JSON of its last line of output."""
+    r = run_client(server.address, code, timeout=timeout)
     assert r.returncode == 0, r.stdout + r.stderr + "".join(server.log)
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(server, workload):
+    code = f"import runpy, sys; sys.argv = [{CLIENT!r}, {workload!r}]; runpy.run_path({CLIENT!r}, run_name='__main__')"
+    return last_json(server, code)
 
 
 def stats_on_new_server(tmp_path, code, *args):
@@ -27,12 +32,9 @@ def stats_on_new_server(tmp_path, code, *args):
     server; returns those stats."""
     server = inductor_server(str(tmp_path), *args)
     try:
-        r = run_client(server.address, code, timeout=600)
-        assert r.returncode == 0, r.stderr + "".join(server.log)
-        stats = json.loads(r.stdout.strip().splitlines()[-1])
+        return last_json(server, code, timeout=600)
     finally:
         server.stop()
-    return stats
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +146,6 @@ def test_a_compile_that_hits_a_limit_leaves_its_graph_on_the_plan(tmp_path, limi
 
 def test_graphs_with_unchecked_indexing_stay_on_the_plan(tmp_path):
     # _unsafe_index checks its indices in eager mode; compiled, by its contract, it does not.
-    server = inductor_server(str(tmp_path), "--compile-after", "1")
     code = (
         "import json, torch, rgpu\n"
         "x = torch.arange(12.).reshape(3, 4).to('rgpu')\n"
@@ -153,12 +154,7 @@ def test_graphs_with_unchecked_indexing_stay_on_the_plan(tmp_path):
         "    r = torch.ops.aten._unsafe_index(x * 2, [i]).cpu()\n"
         "    assert torch.equal(r, (torch.arange(12.).reshape(3, 4) * 2)[[2, 0]]), r\n"
         "print(json.dumps(rgpu.server_stats()))\n")
-    try:
-        r = run_client(server.address, code)
-        assert r.returncode == 0, r.stderr
-        stats = json.loads(r.stdout.strip().splitlines()[-1])
-    finally:
-        server.stop()
+    stats = stats_on_new_server(tmp_path, code, "--compile-after", "1")
     assert stats["inductor_compiles"] == 0 and stats["compiles_pending"] == 0, stats
     assert all(g["executor"] == "plan" for g in stats["session"]["graphs"]), stats
 
