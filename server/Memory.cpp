@@ -7,11 +7,80 @@
 #include <cstdio>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 namespace rgpu::server::memory {
+
+/// A block of the underlying allocator, and how to give it back.
+struct Block {
+  void *data;
+  void *context;
+  c10::DeleterFnPtr deleter;
+};
+
 namespace {
 
 std::atomic<uint64_t> gLimit{0}, gHeld{0}, gPeak{0};
+
+/// Bounds on the blocks kept for reuse: per session, and by all sessions together (the server
+/// may hold this much beyond what sessions hold). A step's small tensors fit many times over;
+/// the steady state of a large model's step on a CPU server is mostly reused from malloc's own
+/// arenas instead.
+constexpr uint64_t kKeptPerSession = 32ull << 20, kKeptTotal = 256ull << 20;
+std::atomic<uint64_t> gKept{0};
+
+void release(const Block &b) {
+  if (b.deleter)
+    b.deleter(b.context);
+}
+
+} // namespace
+
+/// Exact sizes only: a loop allocates the same sizes every iteration, and an exact match wastes
+/// nothing.
+struct Account::Kept {
+  std::mutex mu;
+  std::unordered_map<uint64_t, std::vector<Block>> bySize;
+  uint64_t bytes = 0;
+
+  bool take(uint64_t n, Block &b) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = bySize.find(n);
+    if (it == bySize.end() || it->second.empty())
+      return false;
+    b = it->second.back();
+    it->second.pop_back();
+    bytes -= n;
+    gKept -= n;
+    return true;
+  }
+
+  bool keep(uint64_t n, const Block &b) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (bytes + n > kKeptPerSession)
+      return false;
+    if (gKept.fetch_add(n) + n > kKeptTotal) {
+      gKept -= n;
+      return false;
+    }
+    bySize[n].push_back(b);
+    bytes += n;
+    return true;
+  }
+
+  ~Kept() {
+    for (auto &[n, blocks] : bySize)
+      for (const Block &b : blocks) {
+        gKept -= n;
+        release(b);
+      }
+  }
+};
+
+Account::Account() : kept(std::make_unique<Kept>()) {}
+Account::~Account() = default;
+
+namespace {
 
 void raisePeak(std::atomic<uint64_t> &peak, uint64_t now) {
   uint64_t seen = peak.load();
@@ -60,29 +129,31 @@ public:
     } else if (account) {
       (*account)->held += n;
     }
-    c10::DataPtr inner;
-    try {
-      inner = base_->allocate(n);
-    } catch (...) {
-      credit(account ? account->get() : nullptr, n);
-      throw;
-    }
-    void *data = inner.get();
-    if (!data) { // zero bytes
-      credit(account ? account->get() : nullptr, n);
-      return inner;
+    Block block{};
+    if (!account || n == 0 || !(*account)->kept->take(n, block)) {
+      c10::DataPtr inner;
+      try {
+        inner = base_->allocate(n);
+      } catch (...) {
+        credit(account ? account->get() : nullptr, n);
+        throw;
+      }
+      block.data = inner.get();
+      if (!block.data) { // zero bytes
+        credit(account ? account->get() : nullptr, n);
+        return inner;
+      }
+      block.deleter = inner.get_deleter();
+      block.context = inner.release_context();
     }
     raisePeak(gPeak, gHeld.load());
     if (account)
       raisePeak((*account)->peak, (*account)->held.load());
-    c10::Device device = inner.device();
-    c10::DeleterFnPtr deleter = inner.get_deleter();
-    void *context = inner.release_context();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      records_[data] = {context, deleter, account ? *account : nullptr, n};
+      records_[block.data] = {block.context, block.deleter, account ? *account : nullptr, n};
     }
-    return {data, data, &AccountingAllocator::free, device};
+    return {block.data, block.data, &AccountingAllocator::free, c10::Device(c10::kCPU)};
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &AccountingAllocator::free; }
@@ -115,8 +186,9 @@ private:
       self->records_.erase(it);
     }
     credit(r.account.get(), r.bytes);
-    if (r.deleter)
-      r.deleter(r.context);
+    const Block block{data, r.context, r.deleter};
+    if (!r.account || !r.account->kept->keep(r.bytes, block))
+      release(block);
   }
 
   c10::Allocator *base_;
@@ -139,6 +211,7 @@ void install(uint64_t limit) {
 
 uint64_t limit() { return gLimit; }
 uint64_t held() { return gHeld; }
+uint64_t kept() { return gKept; }
 uint64_t peak() { return gPeak; }
 void resetPeak() { gPeak = gHeld.load(); }
 

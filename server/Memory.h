@@ -14,6 +14,12 @@
 // from CUDA's caching allocator, which is not wrapped; there the quota counts host memory only
 // and CUDA's own OutOfMemoryError becomes the same kind of RemoteError.
 //
+// A block a session frees is kept for that session's next allocation of the same size (a
+// decoding or training step allocates the same sizes every time): it skips malloc, free and the
+// zeroing of fresh memory, which the session's own bytes need not have. Kept blocks count as
+// held by nobody; they are bounded per session and for the server (kKeptPerSession,
+// kKeptTotal in Memory.cpp) and freed with the session's account.
+//
 //===----------------------------------------------------------------------===//
 #pragma once
 
@@ -26,8 +32,13 @@ namespace rgpu::server::memory {
 
 /// One session's bytes. Outlives its session while any tensor charged to it lives.
 struct Account {
+  Account();
+  ~Account(); ///< frees the blocks it kept
   uint64_t quota = 0; ///< 0: none (the server's limit still applies).
   std::atomic<uint64_t> held{0}, peak{0}, refused{0};
+  /// Blocks this session freed, kept for its next allocations of the same size (Memory.cpp).
+  struct Kept;
+  std::unique_ptr<Kept> kept;
 };
 
 /// Installs the accounting allocator (once; later calls only change the limit). \p limit is
@@ -36,6 +47,8 @@ void install(uint64_t limit);
 /// The server's limit and the bytes charged to every account and to none.
 uint64_t limit();
 uint64_t held();
+/// The bytes of the blocks sessions freed and their accounts keep for reuse.
+uint64_t kept();
 /// The most held() has been since the start or the last resetPeak().
 uint64_t peak();
 void resetPeak();

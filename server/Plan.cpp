@@ -717,7 +717,7 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
           if (t.layout() != at::kStrided || t.is_quantized() || t.is_nested())
             throw std::runtime_error("returned a non-strided tensor; rgpu supports strided "
                                      "tensors only");
-          if (step.zeroFill && !t.is_cpu()) // CPU memory is zeroed as it is allocated
+          if (step.zeroFill) // a CPU block the session freed is reused as it was
             t.zero_();
           if (exactLayout) // else the graph's metas are placeholders the run will answer
             conformToMeta(t, *metas[k]);

@@ -8,7 +8,10 @@ def test_an_empty_tensor_never_holds_another_sessions_bytes(fresh_server):
               "x = torch.full((1 << 20,), 1234.5, device='rgpu')\n"
               "assert x.sum().item() == 1234.5 * (1 << 20)\n"
               "del x\n"
-              "rgpu.synchronize()\n")
+              "rgpu.synchronize()\n"
+              # The session's own freed block, reused for its next tensor of that size: an
+              # empty tensor is zeros there too.
+              "assert int((torch.empty(1 << 20, device='rgpu').cpu() != 0).sum()) == 0\n")
     reader = ("import torch, rgpu\n"
               "for make in (lambda: torch.empty(1 << 20, device='rgpu'),\n"
               "             lambda: torch.empty_like(torch.ones(1 << 20, device='rgpu')),\n"
