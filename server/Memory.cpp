@@ -23,9 +23,8 @@ namespace {
 std::atomic<uint64_t> gLimit{0}, gHeld{0}, gPeak{0};
 
 /// Bounds on the blocks kept for reuse: per session, and by all sessions together (the server
-/// may hold this much beyond what sessions hold). A step's small tensors fit many times over;
-/// the steady state of a large model's step on a CPU server is mostly reused from malloc's own
-/// arenas instead.
+/// may hold this much beyond what sessions hold). A decoding step's tensors fit many times
+/// over; past the bound, blocks go back to malloc as before.
 constexpr uint64_t kKeptPerSession = 32ull << 20, kKeptTotal = 256ull << 20;
 std::atomic<uint64_t> gKept{0};
 
