@@ -735,6 +735,7 @@ void Session::stats(wire::ServerStats::Builder out) {
   out.setSessionMemoryQuota(account_->quota);
   out.setSessionMemoryRefused(account_->refused);
   out.setMemoryHeld(memory::held());
+  out.setMemoryKept(memory::kept());
   out.setMemoryLimit(memory::limit());
   std::vector<uint64_t> memories = ctx_.sessionMemories();
   auto ms = out.initSessionMemories(memories.size());

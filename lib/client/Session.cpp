@@ -1304,6 +1304,7 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
         out.sessionMemoryQuota = st.getSessionMemoryQuota();
         out.sessionMemoryRefused = st.getSessionMemoryRefused();
         out.memoryHeld = st.getMemoryHeld();
+        out.memoryKept = st.getMemoryKept();
         out.memoryLimit = st.getMemoryLimit();
         for (uint64_t m : st.getSessionMemories())
           out.sessionMemories.push_back(m);

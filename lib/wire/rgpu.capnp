@@ -335,6 +335,7 @@ struct ServerStats {
   sessionsParked @31 :UInt64;      # disconnected sessions kept for a resume (--session-grace)
   resumes @32 :UInt64;             # sessions resumed on a new connection
   sessionsExpired @33 :UInt64;     # parked sessions dropped when their grace passed
+  memoryKept @34 :UInt64;          # freed blocks sessions keep for their own reuse
 }
 
 struct ServerFrame {

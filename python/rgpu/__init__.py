@@ -224,8 +224,9 @@ def server_stats() -> dict:
     ``sessions``, ``inductor_compiles`` (finished), ``compiles_pending`` (queued or running),
     ``compile_failures``, ``disk_cache_hits`` (packages loaded from the server's cache instead of
     compiled), ``compiled_runs``; ``connections`` (open now) and ``connections_refused``;
-    ``memory_held`` by all sessions against ``memory_limit`` (bytes, 0 for none) and
-    ``session_memories`` (each session's bytes, largest first); evictions: ``plan_evictions``,
+    ``memory_held`` by all sessions against ``memory_limit`` (bytes, 0 for none),
+    ``memory_kept`` (blocks sessions freed and keep for their own reuse, counted in no
+    session's bytes) and ``session_memories`` (each session's bytes, largest first); evictions: ``plan_evictions``,
     ``compiled_evictions``, ``disk_evictions`` and ``compiles_dropped`` (the queue was full).
 
     ``session`` holds ``graph_runs``, ``compiled_runs``, ``execute_ms``, ``tensors``,

@@ -518,6 +518,7 @@ PYBIND11_MODULE(_C, m) {
     out["connections"] = st.connections;
     out["connections_refused"] = st.connectionsRefused;
     out["memory_held"] = st.memoryHeld;
+    out["memory_kept"] = st.memoryKept;
     out["memory_limit"] = st.memoryLimit;
     out["session_memories"] = st.sessionMemories;
     out["plan_evictions"] = st.planEvictions;

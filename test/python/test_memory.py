@@ -100,3 +100,31 @@ print(total, free, torch.rgpu.memory_allocated())
         assert allocated >= 64 << 20 and free <= total - (64 << 20)
     finally:
         s.stop()
+
+
+def test_a_session_keeps_the_blocks_it_freed_and_gives_them_back_when_it_ends():
+    s = Server()
+    try:
+        code = """
+import torch, rgpu
+x = torch.ones(1024, 1024, device="rgpu")
+held = torch.rgpu.memory_allocated()
+before = rgpu.server_stats()
+del x
+after = rgpu.server_stats()  # the release goes with this request
+assert after["memory_held"] <= before["memory_held"] - (4 << 20), (before, after)
+print(after["memory_kept"] - before["memory_kept"])
+y = torch.ones(1024, 1024, device="rgpu")  # the same size: the kept block again
+assert y.sum().item() == 1 << 20
+print(rgpu.server_stats()["memory_kept"] - before["memory_kept"])
+"""
+        r = run_client(s.address, code)
+        assert r.returncode == 0, r.stderr
+        kept, again = map(int, r.stdout.split())
+        # Taken again (what remains kept is the small tensors of the sum).
+        assert kept >= 4 << 20 and again < kept - (4 << 20) + 4096, (kept, again)
+        # The session ended with its client: what it kept is freed.
+        r = run_client(s.address, "import rgpu\nprint(rgpu.server_stats()['memory_kept'])")
+        assert r.returncode == 0 and r.stdout.split() == ["0"], (r.stdout, r.stderr)
+    finally:
+        s.stop()

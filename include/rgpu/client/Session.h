@@ -140,7 +140,7 @@ public:
     uint64_t compiledRuns = 0, sessionCompiledRuns = 0;
     uint64_t connections = 0, connectionsRefused = 0;
     uint64_t sessionMemory = 0, sessionMemoryPeak = 0, sessionMemoryQuota = 0,
-             sessionMemoryRefused = 0, memoryHeld = 0, memoryLimit = 0;
+             sessionMemoryRefused = 0, memoryHeld = 0, memoryKept = 0, memoryLimit = 0;
     std::vector<uint64_t> sessionMemories;
     uint64_t sessionGraphBytes = 0, graphBudget = 0, graphsForgotten = 0, planEvictions = 0,
              compiledEvictions = 0, diskEvictions = 0, compilesDropped = 0;
