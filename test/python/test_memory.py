@@ -108,7 +108,7 @@ def test_a_session_keeps_the_blocks_it_freed_and_gives_them_back_when_it_ends():
         code = """
 import torch, rgpu
 x = torch.ones(1024, 1024, device="rgpu")
-held = torch.rgpu.memory_allocated()
+torch.rgpu.memory_allocated()  # x runs first
 before = rgpu.server_stats()
 del x
 after = rgpu.server_stats()  # the release goes with this request
