@@ -1338,21 +1338,34 @@ private:
 /// recorded whole there, and the server runs the op itself. Only ops whose result never
 /// aliases an argument and which write nothing are listed (not einsum, which may answer a
 /// view, nor batch_norm, which writes its running statistics).
+/// repeat_interleave with an integer count is two views, a clone and a view; recorded whole,
+/// its output length would no longer be tied to its input's in a symbolic graph (Inductor then
+/// compiles it for one length), so its composite runs below functionalization instead, where
+/// the views are traced as views without a wrapper, a meta twin or autograd's bookkeeping.
 void registerWholeWithoutGrad(torch::Library &backend) {
   static torch::Library *autograd = new torch::Library(
       torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse1, __FILE__, __LINE__);
   auto &dispatcher = c10::Dispatcher::singleton();
-  for (const char *name : {"linear", "matmul", "layer_norm", "group_norm", "bilinear"}) {
-    auto op = dispatcher.findOp({std::string("aten::") + name, ""});
+  struct Listed {
+    const char *name, *overload;
+    bool whole; ///< one node; else the composite runs below functionalization
+  };
+  const Listed ops[] = {{"linear", "", true},     {"matmul", "", true},
+                        {"layer_norm", "", true}, {"group_norm", "", true},
+                        {"bilinear", "", true},   {"repeat_interleave", "self_int", false}};
+  for (const Listed &l : ops) {
+    auto op = dispatcher.findOp({std::string("aten::") + l.name, l.overload});
     if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
         op->hasKernelForDispatchKey(c10::DispatchKey::AutogradPrivateUse1))
       continue;
     // Taken before the registrations below change what rgpu's autograd key computes to.
     c10::SafeKernelFunction composite =
         op->getComputedKernelForDispatchKey(c10::DispatchKey::AutogradPrivateUse1);
-    autograd->impl(name, torch::CppFunction::makeFromBoxedFunctor(
-                             std::make_unique<WholeWithoutGrad>(std::move(composite))));
-    backend.impl(name, torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    const std::string name = *l.overload ? std::string(l.name) + "." + l.overload : l.name;
+    autograd->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(
+                                     std::make_unique<WholeWithoutGrad>(std::move(composite))));
+    if (l.whole)
+      backend.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
 }
 

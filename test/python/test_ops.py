@@ -679,6 +679,51 @@ def test_composite_ops_without_grad_are_traced_whole_and_match_cpu(dtype):
             same(t, a)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool,
+                                   torch.complex64])
+def test_repeat_interleave_by_an_integer_without_grad_matches_cpu(dtype):
+    # Under no_grad its composite runs below functionalization, its views traced bare.
+    x = torch.randn(2, 3, 4, 5).mul(3).to(dtype)
+    cases = [
+        lambda t: t.repeat_interleave(2, dim=1),
+        lambda t: t.repeat_interleave(3, dim=-1),
+        lambda t: t.repeat_interleave(2),  # flattened
+        lambda t: t.transpose(1, 2).repeat_interleave(2, dim=1),  # non-contiguous
+        lambda t: t[:, :, 1].repeat_interleave(1, dim=0),  # a view, once
+        lambda t: t[:, :0].repeat_interleave(4, dim=2),  # empty
+        lambda t: t[0, 0, 0, 0].repeat_interleave(3),  # 0-dim
+        lambda t: t.repeat_interleave(0, dim=3),  # no repeats
+        lambda t: t.repeat_interleave(2, dim=1).repeat_interleave(2, dim=0),
+        lambda t: torch.repeat_interleave(t, 2, dim=2, output_size=8),
+    ]
+    for fn in cases:
+        expected = fn(x)
+        on = x.to(R)
+        with torch.no_grad():
+            actual = fn(on)
+        same(actual, expected)
+        assert actual.stride() == expected.stride()
+        # Its own tensor: writes into the result and into the input do not reach each other.
+        with torch.no_grad():
+            actual.zero_()
+            on.add_(1) if dtype != torch.bool else on.logical_not_()
+        same(on, x + 1 if dtype != torch.bool else ~x)
+        same(actual, torch.zeros_like(expected))
+    with torch.inference_mode():
+        same(x.to(R).repeat_interleave(2, dim=1), x.repeat_interleave(2, dim=1))
+    # A tensor of counts still sizes the result from data, and autograd still differentiates.
+    counts = torch.tensor([1, 0, 2])
+    with torch.no_grad():
+        same(x.to(R).repeat_interleave(counts.to(R), dim=1), x.repeat_interleave(counts, dim=1))
+    if dtype.is_floating_point:
+        grads = []
+        for device in ("cpu", R):
+            t = x.detach().to(device).requires_grad_()
+            (t.repeat_interleave(2, dim=1) * 2).sum().backward()
+            grads.append(t.grad.cpu())
+        torch.testing.assert_close(grads[1], grads[0])
+
+
 def test_composite_ops_that_autograd_records_still_decompose_and_differentiate():
     x, w, b = torch.randn(2, 3, 5), torch.randn(6, 5), torch.randn(6)
     grads = []
