@@ -8,8 +8,9 @@ For each model and KV cache of examples/generation.py (2 layers, width 64, conte
 processes stay warm: cpu-eager, rgpu-plan and rgpu-inductor, the last two against
 rgpu-opserver processes on loopback that this script starts (the Inductor one with a fresh
 cache, its compiles finished before timing). A round asks each process in turn for three calls
-of `tokens` new tokens from an 8-token prompt and keeps the median; the figure is the median
-over the rounds, so a slow spell of the machine falls on every system alike. Also reported: the
+of `tokens` new tokens from an 8-token prompt and keeps the median; the time is the median
+over the rounds, and the ratio the median of each round's ratio to CPU eager's in that round
+(with their range), so a slow spell of the machine falls on both sides of a ratio. Also reported: the
 time spent in the stopping check's `.item()` (cutting the graph, sending it, waiting for the
 reply), per token. Tokens are checked against CPU eager's.
 """
@@ -103,8 +104,9 @@ def main():
                                   r"listening on ([\d.]+:\d+)"),
         }
         try:
-            print(f"{args.tokens} tokens a call; ms a token (x CPU eager), of which the "
-                  "stopping check; median of", args.rounds, "rounds")
+            print(f"{args.tokens} tokens a call; ms a token (x CPU eager in the same round, "
+                  "median [range] over rounds), of which the stopping check; median of",
+                  args.rounds, "rounds")
             for model in args.models.split(","):
                 for cache in args.caches.split(","):
                     measure(args, model, cache, servers)
@@ -141,12 +143,16 @@ def measure(args, model, cache, servers):
     for p in procs.values():
         p.stdin.close()
         p.wait()
-    eager = statistics.median(r["token_ms"] for r in rounds["cpu-eager"])
     cells = []
     for system in systems:
         t = statistics.median(r["token_ms"] for r in rounds[system])
         check = statistics.median(r["check_ms"] for r in rounds[system])
-        cells.append(f"{system} {t:.3f} ({t / eager:.2f}x, check {check:.3f})")
+        # Each round's ratio to CPU eager's in the same round, seconds apart: a slow spell of
+        # the machine that spans a round falls on both sides of its ratio.
+        ratios = sorted(r["token_ms"] / e["token_ms"]
+                        for r, e in zip(rounds[system], rounds["cpu-eager"]))
+        cells.append(f"{system} {t:.3f} ({statistics.median(ratios):.2f}x "
+                     f"[{ratios[0]:.2f}-{ratios[-1]:.2f}], check {check:.3f})")
     print(f"{model:5} {cache:7}  " + "  ".join(cells), flush=True)
 
 
