@@ -10,9 +10,9 @@ rgpu-opserver processes on loopback that this script starts (the Inductor one wi
 cache, its compiles finished before timing). A round asks each process in turn for three calls
 of `tokens` new tokens from an 8-token prompt and keeps the median; the time is the median
 over the rounds, and the ratio the median of each round's ratio to CPU eager's in that round
-(with their range), so a slow spell of the machine falls on both sides of a ratio. Also reported: the
-time spent in the stopping check's `.item()` (cutting the graph, sending it, waiting for the
-reply), per token. Tokens are checked against CPU eager's.
+(with their range), so a slow spell of the machine falls on both sides of a ratio. Also
+reported: the time spent in the stopping check's `.item()` (cutting the graph, sending it,
+waiting for the reply), per token. Tokens are checked against CPU eager's.
 """
 
 import argparse

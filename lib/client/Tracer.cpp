@@ -1299,7 +1299,8 @@ bool autogradRecords(const c10::OperatorHandle &op, const torch::jit::Stack &sta
 
 /// The kernel for rgpu's autograd key of a composite op in registerWholeWithoutGrad(): its
 /// composite kernel when autograd records the call, which then decomposes as before; otherwise
-/// the op goes below autograd whole, through functionalization to the tracer, as one node.
+/// the op goes below autograd whole, through functionalization to the tracer, as one node (or,
+/// for an op without a kernel of rgpu's own, to its composite below functionalization).
 class WholeWithoutGrad final : public c10::OperatorKernel {
 public:
   explicit WholeWithoutGrad(c10::SafeKernelFunction composite) : composite_(std::move(composite)) {}

@@ -226,8 +226,9 @@ def server_stats() -> dict:
     compiled), ``compiled_runs``; ``connections`` (open now) and ``connections_refused``;
     ``memory_held`` by all sessions against ``memory_limit`` (bytes, 0 for none),
     ``memory_kept`` (blocks sessions freed and keep for their own reuse, counted in no
-    session's bytes) and ``session_memories`` (each session's bytes, largest first); evictions: ``plan_evictions``,
-    ``compiled_evictions``, ``disk_evictions`` and ``compiles_dropped`` (the queue was full).
+    session's bytes) and ``session_memories`` (each session's bytes, largest first);
+    evictions: ``plan_evictions``, ``compiled_evictions``, ``disk_evictions`` and
+    ``compiles_dropped`` (the queue was full).
 
     ``session`` holds ``graph_runs``, ``compiled_runs``, ``execute_ms``, ``tensors``,
     ``memory`` (bytes held), ``memory_peak``, ``memory_quota`` (0 for none),
