@@ -88,21 +88,32 @@ void raisePeak(std::atomic<uint64_t> &peak, uint64_t now) {
 }
 thread_local const std::shared_ptr<Account> *tCurrent = nullptr;
 
-/// What one live allocation was charged to, and how to free it underneath.
-struct Record {
-  void *context;
+/// What one live allocation was charged to, and how to free it underneath: kept in the
+/// kHeaderBytes in front of the block, so an allocation and its free take no lock and no
+/// table of their own (a compiled decoding step allocates its buffers every run).
+struct Header {
+  void *context; ///< The underlying allocation's context and deleter.
   c10::DeleterFnPtr deleter;
   std::shared_ptr<Account> account;
   uint64_t bytes;
 };
+/// A multiple of the CPU allocator's alignment (c10::gAlignment), so blocks stay as aligned.
+constexpr size_t kHeaderBytes = 64;
+static_assert(sizeof(Header) <= kHeaderBytes && kHeaderBytes % alignof(Header) == 0);
+
+Header *headerOf(void *data) {
+  return reinterpret_cast<Header *>(static_cast<char *>(data) - kHeaderBytes);
+}
 
 /// In front of the CPU allocator. Its DataPtrs are simple (context == data, so raw_allocate
-/// works); the records live in a table keyed by the data pointer.
+/// works); what a block was charged to is in its header.
 class AccountingAllocator final : public c10::Allocator {
 public:
   explicit AccountingAllocator(c10::Allocator *base) : base_(base) {}
 
   c10::DataPtr allocate(size_t n) override {
+    if (n == 0) // as c10's CPU allocator: no data, which raw_deallocate hands back as null
+      return {nullptr, nullptr, &AccountingAllocator::free, c10::Device(c10::kCPU)};
     const std::shared_ptr<Account> *account = tCurrent;
     uint64_t total = gHeld.fetch_add(n) + n;
     if (uint64_t limit = gLimit.load(); limit && total > limit) {
@@ -129,29 +140,28 @@ public:
       (*account)->held += n;
     }
     Block block{};
-    if (!account || n == 0 || !(*account)->kept->take(n, block)) {
+    if (!account || !(*account)->kept->take(n, block)) {
       c10::DataPtr inner;
       try {
-        inner = base_->allocate(n);
+        if (n <= SIZE_MAX - kHeaderBytes)
+          inner = base_->allocate(n + kHeaderBytes);
       } catch (...) {
-        credit(account ? account->get() : nullptr, n);
-        throw;
       }
-      block.data = inner.get();
-      if (!block.data) { // zero bytes
+      if (!inner) {
+        // Named in the tensor's bytes, not the block's with its header.
         credit(account ? account->get() : nullptr, n);
-        return inner;
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "rgpu-opserver can't allocate memory: ",
+                         n, " bytes (", sizeText(n), ") were refused by the system");
       }
+      block.data = static_cast<char *>(inner.get()) + kHeaderBytes;
       block.deleter = inner.get_deleter();
       block.context = inner.release_context();
     }
     raisePeak(gPeak, gHeld.load());
     if (account)
       raisePeak((*account)->peak, (*account)->held.load());
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      records_[block.data] = {block.context, block.deleter, account ? *account : nullptr, n};
-    }
+    new (headerOf(block.data))
+        Header{block.context, block.deleter, account ? *account : nullptr, n};
     return {block.data, block.data, &AccountingAllocator::free, c10::Device(c10::kCPU)};
   }
 
@@ -159,11 +169,6 @@ public:
 
   void copy_data(void *dest, const void *src, std::size_t count) const override {
     base_->copy_data(dest, src, count);
-  }
-
-  static AccountingAllocator *&instance() {
-    static AccountingAllocator *self = nullptr;
-    return self;
   }
 
 private:
@@ -174,25 +179,19 @@ private:
   }
 
   static void free(void *data) {
-    AccountingAllocator *self = instance();
-    Record r;
-    {
-      std::lock_guard<std::mutex> lock(self->mu_);
-      auto it = self->records_.find(data);
-      if (it == self->records_.end())
-        return; // not ours: cannot happen, and freeing it would be worse than a leak
-      r = std::move(it->second);
-      self->records_.erase(it);
-    }
-    credit(r.account.get(), r.bytes);
-    const Block block{data, r.context, r.deleter};
-    if (!r.account || !r.account->kept->keep(r.bytes, block))
+    if (!data) // raw_deallocate(nullptr), as oneDNN's buffers do
+      return;
+    Header *h = headerOf(data);
+    std::shared_ptr<Account> account = std::move(h->account);
+    const Block block{data, h->context, h->deleter};
+    const uint64_t bytes = h->bytes;
+    h->~Header();
+    credit(account.get(), bytes);
+    if (!account || !account->kept->keep(bytes, block))
       release(block);
   }
 
   c10::Allocator *base_;
-  std::mutex mu_;
-  std::unordered_map<void *, Record> records_;
 };
 
 } // namespace
@@ -203,7 +202,6 @@ void install(uint64_t limit) {
   std::call_once(once, [] {
     // Never destroyed: tensors may be freed during exit.
     auto *accounting = new AccountingAllocator(c10::GetAllocator(c10::kCPU));
-    AccountingAllocator::instance() = accounting;
     c10::SetAllocator(c10::kCPU, accounting, /*priority=*/UINT8_MAX);
   });
 }
@@ -218,6 +216,9 @@ Charge::Charge(const std::shared_ptr<Account> &account) : previous_(tCurrent) {
   tCurrent = &account;
 }
 Charge::~Charge() { tCurrent = previous_; }
+
+Uncharged::Uncharged() : previous_(tCurrent) { tCurrent = nullptr; }
+Uncharged::~Uncharged() { tCurrent = previous_; }
 
 bool parseSize(const std::string &text, uint64_t &bytes) {
   double value = 0;

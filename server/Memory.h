@@ -65,6 +65,20 @@ private:
   const std::shared_ptr<Account> *previous_;
 };
 
+/// While an Uncharged lives, this thread's CPU allocations are charged to no session (the
+/// server's total still counts them): for buffers the server keeps beyond the session whose
+/// frame made them.
+class Uncharged {
+public:
+  Uncharged();
+  ~Uncharged();
+  Uncharged(const Uncharged &) = delete;
+  Uncharged &operator=(const Uncharged &) = delete;
+
+private:
+  const std::shared_ptr<Account> *previous_;
+};
+
 /// "8GiB", "512 MiB", "64k", "1.5G" (powers of 1024; a bare number is bytes) into \p bytes.
 bool parseSize(const std::string &text, uint64_t &bytes);
 /// 1536 -> "1.5 KiB".

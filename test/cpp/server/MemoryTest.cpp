@@ -58,3 +58,33 @@ TEST(Memory, ASessionKeepsABoundedNumberOfBytes) {
   account.reset();
   EXPECT_EQ(memory::kept(), keptBefore);
 }
+
+TEST(Memory, RawBlocksAndEmptyAllocationsGoBackWhole) {
+  // oneDNN allocates through raw_allocate and hands back null pointers too; an allocation of
+  // no bytes has no data, as with c10's own CPU allocator. Each charge is credited back.
+  memory::install(0);
+  auto account = std::make_shared<memory::Account>();
+  c10::Allocator *allocator = c10::GetAllocator(c10::kCPU);
+  {
+    memory::Charge charge(account);
+    void *raw = allocator->raw_allocate(100);
+    ASSERT_NE(raw, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(raw) % 64, 0u); // as aligned as c10's blocks
+    EXPECT_EQ(account->held, 100u);
+    allocator->raw_deallocate(raw);
+    allocator->raw_deallocate(nullptr);
+    c10::DataPtr empty = allocator->allocate(0);
+    EXPECT_EQ(empty.get(), nullptr);
+  }
+  EXPECT_EQ(account->held, 0u);
+  // Uncharged: the server's total counts it, no session does.
+  const uint64_t held = memory::held();
+  {
+    memory::Charge charge(account);
+    memory::Uncharged uncharged;
+    c10::DataPtr p = allocator->allocate(256);
+    EXPECT_EQ(account->held, 0u);
+    EXPECT_EQ(memory::held(), held + 256);
+  }
+  EXPECT_EQ(memory::held(), held);
+}
