@@ -1,5 +1,6 @@
 #include "Compiler.h"
 #include "Log.h"
+#include "Memory.h"
 
 #include "rgpu/wire/Cache.h"
 #include "rgpu/wire/Wire.h"
@@ -7,6 +8,7 @@
 #include <capnp/serialize.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch_v2.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
@@ -52,6 +54,8 @@ constexpr const char *kWorkerFormat = "4";
 /// A compiled run whose every input and output has at most this many elements runs on one
 /// thread (ATen parallelizes elementwise work from 32,768 elements).
 constexpr int64_t kOneThreadElements = 65536;
+/// Scalar argument sets a compiled graph keeps for its next runs: runs in flight at once.
+constexpr size_t kScalarSetsKept = 8;
 
 /// Runs the calling thread's OpenMP regions and MKL calls on one thread while it lives, and
 /// restores its team size after. Both settings are the calling thread's own, so the pool's
@@ -206,11 +210,18 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
   args.reserve(inputs.size() + scalars.size());
   for (const Entry &e : inputs)
     args.push_back(e.tensor);
-  // Scalars are 0-dim CPU tensors, the form the worker exported them in.
-  for (size_t k = 0; k < scalars.size(); ++k)
-    args.push_back(at::scalar_tensor(toScalar(scalars[k]),
-                                     at::TensorOptions().dtype(bridge::scalarType(g.scalars[k].dtype))));
+  std::vector<at::Tensor> scalarArgs = takeScalars(g);
+  for (size_t k = 0; k < scalars.size(); ++k) {
+    at::Tensor &t = scalarArgs[k];
+    const c10::Scalar value = toScalar(scalars[k]);
+    AT_DISPATCH_V2(t.scalar_type(), "rgpu scalar argument",
+                   AT_WRAP([&] { *t.mutable_data_ptr<scalar_t>() = value.to<scalar_t>(); }),
+                   AT_EXPAND(AT_ALL_TYPES_AND_COMPLEX), at::kBool, at::kHalf, at::kBFloat16);
+    args.push_back(t);
+  }
   std::vector<at::Tensor> results = loader_->run(args);
+  args.clear();
+  giveScalars(std::move(scalarArgs));
   if (results.size() != g.outputs.size())
     throw std::runtime_error("the compiled graph returned " + std::to_string(results.size()) +
                              " outputs, the graph has " + std::to_string(g.outputs.size()));
@@ -229,6 +240,32 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
                                " does not match " + m.str());
     outputs.push_back({restride(t, m), nullptr});
   }
+}
+
+std::vector<at::Tensor> CompiledGraph::takeScalars(const ir::Graph &g) const {
+  {
+    std::lock_guard<std::mutex> lock(scalarsMu_);
+    if (!scalarSets_.empty()) {
+      std::vector<at::Tensor> set = std::move(scalarSets_.back());
+      scalarSets_.pop_back();
+      return set;
+    }
+  }
+  memory::Uncharged uncharged; // kept with the package, beyond this session
+  std::vector<at::Tensor> set;
+  for (const ir::ScalarSlot &slot : g.scalars)
+    set.push_back(at::empty({}, at::TensorOptions().dtype(bridge::scalarType(slot.dtype))));
+  return set;
+}
+
+void CompiledGraph::giveScalars(std::vector<at::Tensor> tensors) const {
+  // Only a set nothing else holds: an output that is a scalar argument itself keeps it.
+  for (const at::Tensor &t : tensors)
+    if (t.use_count() != 1 || t.storage().use_count() != 1)
+      return;
+  std::lock_guard<std::mutex> lock(scalarsMu_);
+  if (scalarSets_.size() < kScalarSetsKept)
+    scalarSets_.push_back(std::move(tensors));
 }
 
 Compiler::Compiler(CompilerOptions options, at::Device device)

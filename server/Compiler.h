@@ -96,8 +96,17 @@ public:
            const Shapes *shapes = nullptr) const;
 
 private:
+  /// 0-dim CPU tensors for a run's scalars, the form the worker exported them in, with the
+  /// graph's scalar dtypes.
+  std::vector<at::Tensor> takeScalars(const ir::Graph &g) const;
+  void giveScalars(std::vector<at::Tensor> tensors) const;
+
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
   Specialization spec_;
+  /// Scalar tensors of earlier runs, refilled by later ones: making them anew cost a decoding
+  /// step's run more than a tenth of its time. One set per run in flight.
+  mutable std::mutex scalarsMu_;
+  mutable std::vector<std::vector<at::Tensor>> scalarSets_;
 };
 
 class Compiler {

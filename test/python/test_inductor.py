@@ -2,6 +2,7 @@
 persistent cache, and shutdown in the middle of a compile. Each test starts its own server and
 runs its client in its own process (inductor_client.py)."""
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -204,6 +205,41 @@ def test_small_compiled_runs_take_one_thread_and_give_the_team_back(tmp_path):
     stats = stats_on_new_server(tmp_path, code, "--compile-after", "1", "--workers", "1")
     assert stats["inductor_compiles"] >= 2 and stats["compile_failures"] == 0, stats
     assert stats["session"]["compiled_runs"] >= 4, stats
+
+
+def test_compiled_runs_take_each_runs_scalars_from_sessions_at_once(tmp_path):
+    # A compiled graph keeps the tensors its scalar arguments are passed in and refills them
+    # every run: every run must see its own values (float and int slots), also while another
+    # session runs the same compiled graph with other values. A stale or borrowed value is
+    # far off; rounding (a fused multiply-add) is not.
+    code = (
+        "import json, sys, time, torch, rgpu\n"
+        "x, n = torch.linspace(-2, 2, 12).reshape(3, 4), torch.arange(12).reshape(3, 4)\n"
+        "f = lambda t, m, a, k: ((t * a + k).sum(1), m * k - 3 * k)\n"
+        "xr, nr = x.to('rgpu'), n.to('rgpu')\n"
+        "sign = int(sys.argv[1])\n"
+        "for step in range(60):\n"
+        "    a, k = sign * (0.5 + step), sign * (7 * step - 20)\n"
+        "    got, want = [r.cpu() for r in f(xr, nr, a, k)], f(x, n, a, k)\n"
+        "    assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-4), (step, got, want)\n"
+        "    assert torch.equal(got[1], want[1]), (step, got, want)\n"
+        "    if step == 2:\n"
+        "        while rgpu.server_stats()['compiles_pending']:\n"
+        "            time.sleep(0.2)\n"
+        "print(json.dumps(rgpu.server_stats()))\n")
+    server = inductor_server(str(tmp_path), "--compile-after", "1")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(
+                lambda sign: run_client(server.address, code.replace("sys.argv[1]", repr(sign)),
+                                        timeout=600), ["1", "-1"]))
+        for r in results:
+            assert r.returncode == 0, r.stdout + r.stderr + "".join(server.log)
+        stats = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    finally:
+        server.stop()
+    assert all(s["compile_failures"] == 0 for s in stats), stats
+    assert all(s["session"]["compiled_runs"] >= 40 for s in stats), stats
 
 
 def test_the_inductor_compiler_needs_a_python():
