@@ -5,6 +5,8 @@
 #include <ATen/FunctionalTensorWrapper.h>
 #include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 
+#include <typeinfo>
+
 namespace rgpu::client {
 
 DeviceData::~DeviceData() { Session::get().release(handle); }
@@ -73,15 +75,23 @@ void LazyTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>
   value = other->value;
 }
 
+namespace {
+/// \p impl as a LazyTensorImpl, or null. The class is final: its exact type is the test, which
+/// costs a pointer comparison where a dynamic_cast walks the class hierarchy (~150
+/// instructions, for every tensor argument of every traced op).
+LazyTensorImpl *asLazy(c10::TensorImpl *impl) {
+  return typeid(*impl) == typeid(LazyTensorImpl) ? static_cast<LazyTensorImpl *>(impl) : nullptr;
+}
+} // namespace
+
 LazyTensorImpl *lazyImpl(const at::Tensor &t) {
   if (!t.defined() || !t.device().is_privateuseone())
     return nullptr;
   if (at::functionalization::impl::isFunctionalTensor(t)) {
     at::functionalization::impl::sync(t);
-    return dynamic_cast<LazyTensorImpl *>(
-        at::functionalization::impl::from_functional_tensor(t).unsafeGetTensorImpl());
+    return asLazy(at::functionalization::impl::from_functional_tensor(t).unsafeGetTensorImpl());
   }
-  return dynamic_cast<LazyTensorImpl *>(t.unsafeGetTensorImpl());
+  return asLazy(t.unsafeGetTensorImpl());
 }
 
 } // namespace rgpu::client

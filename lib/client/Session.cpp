@@ -199,6 +199,7 @@ void Session::reset() {
   heldIndex_.clear();
   heldBytes_ = 0;
   runsInFrame_.clear();
+  retired_.clear();
   nodesSinceCut_ = 0;
   // Every live tensor of the old session now names handle 0, below every handle of the new
   // one: using it raises (checkCurrent), and freeing it sends nothing.
@@ -554,7 +555,14 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
     first = queueResolved(std::move(replayed), false, reason, executor);
   }
 
-  // The live tensors now hold device data; their traced nodes are released with them.
+  // The live tensors now hold device data. Their traced nodes go after the frame is sent (the
+  // server runs meanwhile); the device data those nodes read goes now, so that its handles
+  // are released in this frame, as when the nodes went at once.
+  for (const Out &o : outs)
+    retired_.emplace_back(o.node);
+  for (TraceNode *n : nodes)
+    for (Value &v : n->inputs)
+      v.data = nullptr;
   uint64_t valueBudget = kValueBudget;
   for (size_t k = 0; k < outs.size(); ++k) {
     ir::TensorMeta meta = outs[k].node->node.outputs[outs[k].index];
@@ -1134,6 +1142,8 @@ Session::Reply Session::flush(bool wantReply) {
   ++stats.messages;
   stats.bytesOut += bytes.size();
   transport_.send(seq, std::move(bytes));
+  sent.clear();
+  retired_.clear();
   for (Target &t : targets)
     if (t.data)
       t.data->valueSeq = seq;

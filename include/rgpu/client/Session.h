@@ -384,6 +384,9 @@ private:
   uint64_t nextGenerator_ = 1;
   /// The random ops traced since the last cut (noteRandom).
   std::vector<llvm::IntrusiveRefCntPtr<TraceNode>> randomNodes_;
+  /// The traced nodes of cuts whose frame is not sent yet, without their device data: freed
+  /// once it is, while the server runs it.
+  std::vector<llvm::IntrusiveRefCntPtr<TraceNode>> retired_;
   /// Cuts the trace if a random op is pending: a command that reads or changes a generator's
   /// state must come after the runs that draw before it. Other pending ops stay pending (and
   /// fused with what follows).
