@@ -32,7 +32,6 @@
 
 #include <llvm/ADT/DenseMap.h>
 #include <llvm/ADT/StringSet.h>
-#include <llvm/Support/xxhash.h>
 
 #include <atomic>
 #include <mutex>
@@ -141,12 +140,8 @@ public:
   }
 
 private:
-  /// xxHash64: a key is a few hundred bytes, which std::hash reads at a third of the speed.
-  struct Hash {
-    size_t operator()(const std::string &key) const { return llvm::xxHash64(key); }
-  };
   static constexpr size_t kMaxEntries = 1 << 16;
-  std::unordered_map<std::string, OpMetas, Hash> map_;
+  std::unordered_map<std::string, OpMetas> map_;
 };
 
 MetaCache &metaCache() {
