@@ -103,8 +103,8 @@ private:
 
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
   Specialization spec_;
-  /// Scalar tensors of earlier runs, refilled by later ones: making them anew cost a decoding
-  /// step's run more than a tenth of its time. One set per run in flight.
+  /// Scalar tensors of earlier runs, refilled by later ones: making them anew took about a
+  /// tenth of a decoding step's run. One set per run in flight.
   mutable std::mutex scalarsMu_;
   mutable std::vector<std::vector<at::Tensor>> scalarSets_;
 };
