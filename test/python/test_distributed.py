@@ -184,8 +184,13 @@ def check_ddp(outs, steps=20):
         got = torch.tensor(out["losses"])
         want = torch.tensor([l[rank] for l in losses])
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (rank, got, want)
+        # Parameters after 20 AdamW steps: the steps are normalized, so a gradient's last-bit
+        # rounding (a matmul that MKL splits differently when the machine is busy) can move a
+        # parameter with a tiny gradient by far more than the gradient differs. Bit-equal in
+        # a quiet run; a gradient that skips an all-reduce moves parameters by ~lr (1e-2).
         for p, q in zip(out["params"], params):
-            assert torch.allclose(torch.tensor(p), q, rtol=1e-5, atol=1e-6)
+            diff = (torch.tensor(p) - q).abs().max().item()
+            assert torch.allclose(torch.tensor(p), q, rtol=1e-4, atol=1e-4), (rank, diff)
         steady = out["counts"][6:]
         assert all(c["waits"] == 1 for c in steady), out["counts"]
         assert all(c["messages"] <= 2 for c in steady), out["counts"]
