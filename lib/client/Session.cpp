@@ -2,6 +2,7 @@
 #include "rgpu/net/Auth.h"
 
 #include "rgpu/bridge/Bridge.h"
+#include "rgpu/ir/Bytes.h"
 #include "rgpu/wire/Cache.h"
 
 #include <ATen/ATen.h>
@@ -195,6 +196,8 @@ void Session::reset() {
   releases_.clear();
   group_.clear();
   fetched_.clear();
+  remembered_.clear();
+  rememberedIndex_.clear();
   held_.clear();
   heldIndex_.clear();
   heldBytes_ = 0;
@@ -667,6 +670,102 @@ at::Tensor Session::download(LazyTensorImpl *impl, const ir::TensorMeta &want) {
     raise(ErrorKind::SessionLost, transport_.lostReason());
   site_ = site;
   harvest();
+  std::string key;
+  if (impl->value.pending() && readKey(impl->value, want, key)) {
+    if (auto it = rememberedIndex_.find(key); it != rememberedIndex_.end()) {
+      // The read still cuts where it always did, so the graphs stay the ones the server has;
+      // only the wait is saved.
+      cut("read of a value");
+      if (!queue_.empty())
+        flush(false);
+      raiseDeferred();
+      ++stats.readsRemembered;
+      remembered_.splice(remembered_.end(), remembered_, it->second);
+      return it->second->second.clone(at::MemoryFormat::Preserve);
+    }
+  }
+  at::Tensor out = fetch(impl, want);
+  if (!key.empty() && out.sizes().equals(want.sizes) && out.strides().equals(want.strides) &&
+      out.scalar_type() == static_cast<c10::ScalarType>(want.dtype)) {
+    if (remembered_.size() >= kRememberedReads) {
+      rememberedIndex_.erase(remembered_.front().first);
+      remembered_.pop_front();
+    }
+    remembered_.emplace_back(key, out.clone(at::MemoryFormat::Preserve));
+    rememberedIndex_.emplace(std::move(key), std::prev(remembered_.end()));
+  }
+  return out;
+}
+
+bool Session::readKey(const Value &v, const ir::TensorMeta &want, std::string &key) const {
+  const int64_t bytes = want.storageBytes();
+  if (bytes < 0 || bytes > kRememberedBytes)
+    return false;
+  constexpr size_t kMaxNodes = 8;
+  key.clear();
+  ir::ByteWriter w(key);
+  auto putMeta = [&](const ir::TensorMeta &m) {
+    w.put(m.dtype);
+    w.put(uint32_t(m.sizes.size()));
+    w.write(m.sizes.data(), m.sizes.size() * sizeof(int64_t));
+    w.write(m.strides.data(), m.strides.size() * sizeof(int64_t));
+  };
+  putMeta(want);
+  llvm::SmallDenseMap<const TraceNode *, uint32_t, kMaxNodes> seen;
+  std::function<bool(const Value &)> visit = [&](const Value &x) {
+    if (!x.pending()) {
+      if (!x.data || x.data->handle < firstHandle_)
+        return false;
+      w.put('D');
+      w.put(x.data->handle);
+      putMeta(x.data->meta);
+      return true;
+    }
+    const TraceNode *t = x.node.get();
+    if (auto it = seen.find(t); it != seen.end()) {
+      w.put('R');
+      w.put(it->second);
+      w.put(x.index);
+      return true;
+    }
+    // Random draws differ from run to run; ops outside aten (collectives) read other ranks.
+    if (seen.size() >= kMaxNodes || t->node.random || !t->node.op.str().startswith("aten::"))
+      return false;
+    for (const Value &input : t->inputs)
+      if (!visit(input))
+        return false;
+    seen[t] = uint32_t(seen.size());
+    w.put('N');
+    w.put(t->node.op.id());
+    for (const ir::Arg &a : t->node.args) {
+      w.put(a.kind);
+      w.put(a.i);
+      w.put(a.d);
+    }
+    for (const std::string &s : t->node.strings)
+      w.str(s);
+    for (size_t k = 0; k < t->scalarSlots.size(); ++k) {
+      const ir::ScalarValue &s = t->scalarValues[k];
+      w.put(t->scalarSlots[k].dtype);
+      w.put(t->scalarSlots[k].form);
+      w.put(s.kind);
+      w.put(s.i);
+      w.put(s.d);
+      w.put(s.imag);
+    }
+    for (const ir::TensorMeta &m : t->node.outputs)
+      putMeta(m);
+    w.put(x.index);
+    return true;
+  };
+  bool ok = visit(v);
+  w.finish();
+  if (!ok)
+    key.clear();
+  return ok;
+}
+
+at::Tensor Session::fetch(LazyTensorImpl *impl, const ir::TensorMeta &want) {
   if (impl->value.pending())
     cut("read of a value");
   checkCurrent(impl->value);

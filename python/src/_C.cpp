@@ -366,6 +366,7 @@ PYBIND11_MODULE(_C, m) {
     d["graphs_generalized"] = s.graphsGeneralized.load();
     d["symbolic_runs"] = s.symbolicRuns.load();
     d["cuts_replayed"] = s.cutsReplayed.load();
+    d["reads_remembered"] = s.readsRemembered.load();
     d["throttled"] = s.throttled.load();
     d["throttled_ms"] = s.throttledNs.load() / 1e6;
     d["reconnects"] = Session::get().reconnects();

@@ -296,3 +296,73 @@ def test_values_of_math_bit_and_view_results_match_cpu(f):
     got = out.cpu()
     torch.testing.assert_close(got.resolve_conj().resolve_neg(),
                                expected.resolve_conj().resolve_neg(), rtol=0, atol=0)
+
+
+def remembered(before):
+    return rgpu.stats()["reads_remembered"] - before["reads_remembered"]
+
+
+def test_a_read_of_the_same_ops_on_the_same_data_is_remembered_not_waited_for():
+    mask_cpu = torch.tensor([[True, True, False], [True, True, True]])
+    mask = mask_cpu.to(R)
+    x_cpu = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    x = x_cpu.to(R)
+    rgpu.synchronize()
+    before, first = rgpu.stats(), bool(mask.all())
+    assert delta(before)["waits"] == 1 and remembered(before) == 0
+    for _ in range(3):  # Hugging Face reads a mask that does not change at every token
+        before = rgpu.stats()
+        assert bool(mask.all()) == first == bool(mask_cpu.all())
+        assert delta(before)["waits"] == 0 and remembered(before) == 1
+    # Writes make new data: the read after one waits for the new value.
+    mask[0, 2] = True
+    mask_cpu[0, 2] = True
+    before = rgpu.stats()
+    assert bool(mask.all()) and delta(before)["waits"] == 1 and remembered(before) == 0
+    # A Python scalar's value is part of what is remembered; so is each op's every argument.
+    for s in (1.0, 2.0, 2.0, -3):
+        assert (x * s).sum(1).cpu().tolist() == (x_cpu * s).sum(1).tolist()
+        assert (x * s).sum(0).cpu().tolist() == (x_cpu * s).sum(0).tolist()
+    x[1].mul_(10)
+    x_cpu[1].mul_(10)
+    before = rgpu.stats()
+    assert (x * 2.0).sum(1).cpu().tolist() == (x_cpu * 2.0).sum(1).tolist()
+    assert remembered(before) == 0
+    # What a read returns is the caller's: changing it changes no later read.
+    got = (x * 2.0).sum(1).cpu()
+    got.add_(100)
+    assert (x * 2.0).sum(1).cpu().tolist() == (x_cpu * 2.0).sum(1).tolist()
+
+
+def test_random_draws_and_large_values_are_read_from_the_server_every_time():
+    g = torch.Generator(device=R).manual_seed(0)
+    before = rgpu.stats()
+    draws = [torch.rand(4, device=R, generator=g).sum().item() for _ in range(3)]
+    assert len(set(draws)) == 3 and remembered(before) == 0
+    big = torch.arange(1000.0).to(R)
+    before = rgpu.stats()
+    for _ in range(2):
+        assert torch.equal((big * 2).cpu(), torch.arange(1000.0) * 2)
+    assert remembered(before) == 0 and delta(before)["waits"] == 2
+
+
+def test_an_encoder_decoder_generates_with_one_wait_per_token():
+    """T5's generate asks whether the encoder's attention mask is all ones before every
+    token; the answer does not change, so only the stopping check waits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_ff=64, d_kv=8, num_layers=2,
+                                   num_heads=4, decoder_start_token_id=0, dropout_rate=0.0)
+    cpu = transformers.T5ForConditionalGeneration(config).eval()
+    dev = transformers.T5ForConditionalGeneration(config).eval()
+    dev.load_state_dict(cpu.state_dict())
+    dev.to(R)
+    ids = torch.randint(2, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        want = cpu.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        for _ in range(2):
+            before = rgpu.stats()
+            got = dev.generate(ids.to(R), attention_mask=torch.ones_like(ids).to(R), **kw)
+            assert got.cpu().tolist() == want.tolist()
+    assert delta(before)["waits"] <= 12 + 3, delta(before)

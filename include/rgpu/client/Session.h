@@ -28,6 +28,7 @@
 #include <mutex>
 #include <list>
 #include <map>
+#include <unordered_map>
 
 namespace rgpu::client {
 
@@ -35,7 +36,8 @@ namespace rgpu::client {
 struct Stats {
   std::atomic<uint64_t> messages{0}, waits{0}, bytesOut{0}, bytesIn{0}, graphsShipped{0},
       graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0}, graphsForgotten{0},
-      graphsGeneralized{0}, symbolicRuns{0}, cutsReplayed{0}, throttled{0}, throttledNs{0};
+      graphsGeneralized{0}, symbolicRuns{0}, cutsReplayed{0}, throttled{0}, throttledNs{0},
+      readsRemembered{0};
 };
 
 /// How errors reach the user; the Python glue replaces the default (std::runtime_error) so that
@@ -366,6 +368,21 @@ private:
   std::deque<std::chrono::steady_clock::time_point> stepReplies_;
   size_t maxInflight_ = 8;
   [[noreturn]] void lose(const std::string &why);
+  /// download() of a value that may already be device data.
+  at::Tensor fetch(LazyTensorImpl *impl, const ir::TensorMeta &want);
+  /// Small values read before, by the ops that computed them (readKey): the same ops on the
+  /// same device data give the same bytes, so reading them again needs no round trip. Handles
+  /// are never reused, and device data never changes (writes make new data), so an entry can
+  /// only be stale by being unreachable. Least recently read first, at most kRememberedReads.
+  static constexpr size_t kRememberedReads = 256;
+  static constexpr int64_t kRememberedBytes = 256;
+  std::list<std::pair<std::string, at::Tensor>> remembered_;
+  std::unordered_map<std::string, std::list<std::pair<std::string, at::Tensor>>::iterator>
+      rememberedIndex_;
+  /// The key of a read of pending \p v in layout \p want: its ops (at most a few, all aten and
+  /// none random), their arguments and output layouts, and the handles they read. False if
+  /// such a read is not remembered.
+  bool readKey(const Value &v, const ir::TensorMeta &want, std::string &key) const;
   /// A download too large for one reply, one chunk per round trip.
   at::Tensor downloadInChunks(const DeviceData &data, const ir::TensorMeta &want);
   /// A CPU tensor of layout \p m holding \p bytes (which must be exactly its span).
