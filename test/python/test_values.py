@@ -366,3 +366,20 @@ def test_an_encoder_decoder_generates_with_one_wait_per_token():
             got = dev.generate(ids.to(R), attention_mask=torch.ones_like(ids).to(R), **kw)
             assert got.cpu().tolist() == want.tolist()
     assert delta(before)["waits"] <= 12 + 3, delta(before)
+
+
+def test_a_small_value_read_once_is_read_again_without_a_wait():
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+    y = x.to(R) * 3  # 48 bytes: more than rides back with its run's reply
+    z = (x.to(R) ** 2).sum(1, keepdim=True).expand(3, 40).contiguous()  # 480 bytes: not kept
+    before = rgpu.stats()
+    for _ in range(3):
+        got = y.cpu()
+        assert torch.equal(got, x * 3)
+        got.add_(1)  # the caller's copy
+        assert y[1, 2].item() == (x * 3)[1, 2].item()
+    assert delta(before)["waits"] == 2  # y's bytes once, its element once (then remembered)
+    before = rgpu.stats()
+    for _ in range(2):
+        torch.testing.assert_close(z.cpu(), (x ** 2).sum(1, keepdim=True).expand(3, 40))
+    assert delta(before)["waits"] == 2

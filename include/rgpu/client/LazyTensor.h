@@ -28,7 +28,8 @@ struct DeviceData : llvm::ThreadSafeRefCountedBase<DeviceData> {
   /// the session lock.
   uint64_t dynamicDims = 0;
   /// Its bytes on this side, once a reply brought them: small outputs come back with the reply
-  /// to their run, and rgpu.on_ready asks for others. Guarded by the session lock.
+  /// to their run, rgpu.on_ready asks for others, and a read of at most 256 bytes keeps what it
+  /// read. Guarded by the session lock.
   at::Tensor value;
   /// The frame whose reply brings `value`; kValueQueued while its Download waits in the queue,
   /// 0 if none will.

@@ -370,7 +370,8 @@ private:
   [[noreturn]] void lose(const std::string &why);
   /// download() of a value that may already be device data.
   at::Tensor fetch(LazyTensorImpl *impl, const ir::TensorMeta &want);
-  /// Small values read before, by the ops that computed them (readKey): the same ops on the
+  /// Small values read before, by the ops that computed them (readKey; a read of device data
+  /// keeps its bytes in DeviceData::value): the same ops on the
   /// same device data give the same bytes, so reading them again needs no round trip. Handles
   /// are never reused, and device data never changes (writes make new data), so an entry can
   /// only be stale by being unreachable. Least recently read first, at most kRememberedReads.
