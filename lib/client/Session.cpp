@@ -701,68 +701,46 @@ bool Session::readKey(const Value &v, const ir::TensorMeta &want, std::string &k
   const int64_t bytes = want.storageBytes();
   if (bytes < 0 || bytes > kRememberedBytes)
     return false;
+  // The nodes that compute v. Random draws differ from run to run; ops outside aten
+  // (collectives) read other ranks.
   constexpr size_t kMaxNodes = 8;
-  key.clear();
-  ir::ByteWriter w(key);
-  auto putMeta = [&](const ir::TensorMeta &m) {
-    w.put(m.dtype);
-    w.put(uint32_t(m.sizes.size()));
-    w.write(m.sizes.data(), m.sizes.size() * sizeof(int64_t));
-    w.write(m.strides.data(), m.strides.size() * sizeof(int64_t));
-  };
-  putMeta(want);
-  llvm::SmallDenseMap<const TraceNode *, uint32_t, kMaxNodes> seen;
-  std::function<bool(const Value &)> visit = [&](const Value &x) {
+  llvm::SmallVector<TraceNode *, kMaxNodes> nodes;
+  llvm::SmallVector<const Value *, 16> work{&v};
+  while (!work.empty()) {
+    const Value &x = *work.pop_back_val();
     if (!x.pending()) {
       if (!x.data || x.data->handle < firstHandle_)
         return false;
-      w.put('D');
-      w.put(x.data->handle);
-      putMeta(x.data->meta);
-      return true;
+      continue;
     }
-    const TraceNode *t = x.node.get();
-    if (auto it = seen.find(t); it != seen.end()) {
-      w.put('R');
-      w.put(it->second);
-      w.put(x.index);
-      return true;
-    }
-    // Random draws differ from run to run; ops outside aten (collectives) read other ranks.
-    if (seen.size() >= kMaxNodes || t->node.random || !t->node.op.str().startswith("aten::"))
+    TraceNode *t = x.node.get();
+    if (llvm::is_contained(nodes, t))
+      continue;
+    if (nodes.size() == kMaxNodes || t->node.random || !t->node.op.str().startswith("aten::"))
       return false;
+    nodes.push_back(t);
     for (const Value &input : t->inputs)
-      if (!visit(input))
-        return false;
-    seen[t] = uint32_t(seen.size());
-    w.put('N');
-    w.put(t->node.op.id());
-    for (const ir::Arg &a : t->node.args) {
-      w.put(a.kind);
-      w.put(a.i);
-      w.put(a.d);
-    }
-    for (const std::string &s : t->node.strings)
-      w.str(s);
-    for (size_t k = 0; k < t->scalarSlots.size(); ++k) {
-      const ir::ScalarValue &s = t->scalarValues[k];
-      w.put(t->scalarSlots[k].dtype);
-      w.put(t->scalarSlots[k].form);
-      w.put(s.kind);
-      w.put(s.i);
-      w.put(s.d);
-      w.put(s.imag);
-    }
-    for (const ir::TensorMeta &m : t->node.outputs)
-      putMeta(m);
-    w.put(x.index);
-    return true;
-  };
-  bool ok = visit(v);
+      work.push_back(&input);
+  }
+  llvm::sort(nodes, [](const TraceNode *a, const TraceNode *b) { return a->seq < b->seq; });
+  // What a replay of this trace would key on, and what it leaves out: the positions, the
+  // handles read and the scalars' values.
+  TraceKey trace = readTrace(nodes, {{v.node.get(), v.index}});
+  key = std::move(trace.shape);
+  ir::ByteWriter w(key);
+  w.write(trace.positions.data(), trace.positions.size() * sizeof(int64_t));
+  for (const DeviceData *d : trace.inputs)
+    w.put(d->handle);
+  for (const ir::ScalarValue *s : trace.scalars) {
+    w.put(s->kind);
+    w.put(s->i);
+    w.put(s->d);
+    w.put(s->imag);
+  }
+  w.put(want.dtype);
+  w.write(want.strides.data(), want.strides.size() * sizeof(int64_t));
   w.finish();
-  if (!ok)
-    key.clear();
-  return ok;
+  return true;
 }
 
 at::Tensor Session::fetch(LazyTensorImpl *impl, const ir::TensorMeta &want) {

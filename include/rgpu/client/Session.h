@@ -371,18 +371,18 @@ private:
   /// download() of a value that may already be device data.
   at::Tensor fetch(LazyTensorImpl *impl, const ir::TensorMeta &want);
   /// Small values read before, by the ops that computed them (readKey; a read of device data
-  /// keeps its bytes in DeviceData::value): the same ops on the
-  /// same device data give the same bytes, so reading them again needs no round trip. Handles
-  /// are never reused, and device data never changes (writes make new data), so an entry can
-  /// only be stale by being unreachable. Least recently read first, at most kRememberedReads.
+  /// keeps its bytes in DeviceData::value): the same ops on the same device data give the
+  /// same bytes, so reading them again needs no round trip. Handles are never reused, and
+  /// device data never changes (writes make new data), so an entry can only be stale by being
+  /// unreachable. Least recently read first, at most kRememberedReads.
   static constexpr size_t kRememberedReads = 256;
   static constexpr int64_t kRememberedBytes = 256;
   std::list<std::pair<std::string, at::Tensor>> remembered_;
   std::unordered_map<std::string, std::list<std::pair<std::string, at::Tensor>>::iterator>
       rememberedIndex_;
-  /// The key of a read of pending \p v in layout \p want: its ops (at most a few, all aten and
-  /// none random), their arguments and output layouts, and the handles they read. False if
-  /// such a read is not remembered.
+  /// The key of a read of pending \p v in layout \p want: the trace of the nodes that compute
+  /// it (readTrace; at most a few, all aten and none random), its positions and scalar
+  /// values, and the handles it reads. False if such a read is not remembered.
   bool readKey(const Value &v, const ir::TensorMeta &want, std::string &key) const;
   /// A download too large for one reply, one chunk per round trip.
   at::Tensor downloadInChunks(const DeviceData &data, const ir::TensorMeta &want);
