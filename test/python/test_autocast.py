@@ -110,8 +110,9 @@ def test_a_scaled_step_with_a_fused_optimizer_costs_no_extra_wait():
     losses, scales, waits = autocast_training(R, torch.float16, True, fused=True)
     torch.testing.assert_close(losses, cpu, rtol=2e-2, atol=2e-2)
     assert scales == cpu_scales
-    # loss.item() is the only wait of a step (the test reads the scale after counting).
-    assert waits[2:] == [1] * (len(waits) - 2), waits
+    # loss.item() is the only wait of a step (the test reads the scale after counting), and
+    # none when the step's reply, which carries the loss, came in before the read.
+    assert all(w <= 1 for w in waits[2:]), waits
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
