@@ -6,11 +6,11 @@ VENV       := .venv
 PY         := $(VENV)/bin/python
 BUILD      := build
 FUZZ_BUILD := build-fuzz
-FUZZ_TARGETS := frame_fuzz graph_fuzz session_fuzz
+FUZZ_TARGETS := frame_fuzz graph_fuzz session_fuzz planes_fuzz
 FUZZ_SECONDS ?= 60
 TORCH_PIN  ?= torch==2.13.0
 DEB_PKGS   := capnproto libcapnp-dev libuv1-dev llvm-dev libgtest-dev libbenchmark-dev ninja-build ccache \
-              clang-14 libclang-rt-14-dev libsodium-dev libgloo-dev
+              clang-14 libclang-rt-14-dev libsodium-dev libgloo-dev zlib1g-dev
 SUDO       := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CCACHE     := $(shell command -v ccache 2>/dev/null)
 

@@ -3,6 +3,7 @@
 #include "Policy.h"
 
 #include "rgpu/net/Auth.h"
+#include "rgpu/wire/Planes.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -1070,6 +1071,9 @@ void Session::upload(wire::Upload::Reader r) {
   ir::TensorMeta meta;
   auto data = r.getData();
   const uint64_t total = r.getTotal(), offset = r.getOffset();
+  // The bytes this chunk brings: data itself, or what it decodes to (rgpu/wire/Planes.h).
+  const bool packed = r.getEncoding() == 1;
+  const uint64_t length = packed ? r.getLength() : data.size();
   auto found = partial_.find(handle);
   Partial *earlier = found == partial_.end() ? nullptr : found->second.get();
   // Exact bounds that cannot wrap, and every chunk after the first agrees with it on meta and
@@ -1086,9 +1090,14 @@ void Session::upload(wire::Upload::Reader r) {
   else if (uint64_t(meta.storageBytes()) != total)
     why = "its total of " + std::to_string(total) + " bytes is not its meta's " +
           std::to_string(meta.storageBytes());
-  else if (offset > total || data.size() > total - offset)
-    why = "its chunk at offset " + std::to_string(offset) + " of " +
-          std::to_string(data.size()) + " bytes ends past the total";
+  else if (r.getEncoding() > 1)
+    why = "its encoding " + std::to_string(r.getEncoding()) + " is unknown";
+  else if (packed && length > ctx_.limits().uploadChunkBytes)
+    why = "its chunk decodes to " + std::to_string(length) + " bytes, more than a chunk's " +
+          std::to_string(ctx_.limits().uploadChunkBytes);
+  else if (offset > total || length > total - offset)
+    why = "its chunk at offset " + std::to_string(offset) + " of " + std::to_string(length) +
+          " bytes ends past the total";
   else if (offset != 0 && (!earlier || !(earlier->meta == meta) || earlier->device != r.getDevice()))
     why = "a chunk at offset " + std::to_string(offset) +
           (earlier ? " disagrees with the first chunk's meta or device"
@@ -1096,13 +1105,14 @@ void Session::upload(wire::Upload::Reader r) {
   else if (offset != 0 && offset != earlier->received)
     why = "its chunk at offset " + std::to_string(offset) + " does not follow the " +
           std::to_string(earlier->received) + " bytes received"; // chunks cover every byte once
-  if (!why.empty()) {
+  auto refuse = [&] {
     partial_.erase(handle);
     auto e = sessionError("malformed upload for handle " + std::to_string(handle) + ": " + why);
     fail(e);
     bind(handle, {at::Tensor(), e});
-    return;
-  }
+  };
+  if (!why.empty())
+    return refuse();
   auto &part = partial_[handle];
   if (offset == 0) {
     part = std::make_unique<Partial>();
@@ -1122,10 +1132,16 @@ void Session::upload(wire::Upload::Reader r) {
       fail(part->error);
     }
   }
-  if (data.size() && !part->error)
-    std::memcpy(static_cast<char *>(part->cpu.data_ptr()) + r.getOffset(), data.begin(),
-                data.size());
-  part->received += data.size();
+  if (length && !part->error) {
+    auto *at = static_cast<uint8_t *>(part->cpu.data_ptr()) + offset;
+    if (!packed) {
+      std::memcpy(at, data.begin(), length);
+    } else if (!wire::decodePlanes(data.begin(), data.size(), at, length,
+                                   ir::dtype::itemSize(meta.dtype), why)) {
+      return refuse();
+    }
+  }
+  part->received += length;
   if (part->received < r.getTotal())
     return;
   if (part->error) {

@@ -4,6 +4,7 @@
 #include "rgpu/bridge/Bridge.h"
 #include "rgpu/ir/Bytes.h"
 #include "rgpu/wire/Cache.h"
+#include "rgpu/wire/Planes.h"
 
 #include <ATen/ATen.h>
 #include <llvm/ADT/StringExtras.h>
@@ -26,6 +27,10 @@ LocationProvider gLocation = nullptr;
 constexpr uint64_t kPackBelow = 64 << 10;
 /// Uploads up to this size wait for the next frame; larger ones are sent at once.
 constexpr uint64_t kSmallUpload = 64 << 10;
+/// Upload chunks smaller than this always go as they are.
+constexpr uint64_t kCompressedUpload = 4 << 10;
+/// RGPU_COMPRESS=auto compresses uploads on a link with at least this round trip.
+constexpr auto kCompressRoundTrip = std::chrono::milliseconds(2);
 /// Bytes of frames sent without a reply after which the next frame waits for one.
 constexpr uint64_t kMaxUnacknowledged = uint64_t(256) << 20;
 /// A trace that never syncs is cut (without waiting) after this many nodes.
@@ -68,6 +73,7 @@ struct Session::Command {
   ir::TensorMeta meta;
   at::Tensor data; ///< A private CPU copy of an upload's bytes.
   uint64_t offset = 0, length = 0;
+  std::string encoded; ///< An upload chunk compressed by byte plane (rgpu/wire/Planes.h), if it is.
   std::string executor; ///< A Define's executor hint.
   std::vector<ir::Hash128> hashes; ///< A Forget's graphs.
   llvm::SmallVector<int64_t, 4> symbols; ///< A Run's symbol values (of a symbolic graph).
@@ -86,6 +92,12 @@ Session::Session()
     maxInflight_ = size_t(std::clamp(std::atoi(n), 1, int(kMaxInFlightFrames)));
   if (const char *d = std::getenv("RGPU_DYNAMIC"))
     dynamic_ = std::string(d) != "0";
+  if (const char *z = std::getenv("RGPU_COMPRESS"); z && *z) {
+    std::string v = z;
+    compress_ = v == "0" || v == "off" ? Compress::Never
+                : v == "1" || v == "on" ? Compress::Always
+                                        : Compress::Auto;
+  }
 }
 
 std::string Session::server() const { return transport_.address(); }
@@ -644,6 +656,13 @@ Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta, int device) {
     c.data = cpu;
     c.offset = off;
     c.length = std::min(chunk, total - off);
+    if (c.length >= kCompressedUpload && compressUploads()) {
+      const auto *bytes = static_cast<const uint8_t *>(cpu.data_ptr()) + off;
+      if (auto packed = wire::encodePlanes(bytes, c.length, ir::dtype::itemSize(meta.dtype))) {
+        stats.uploadBytesSaved += c.length - packed->size();
+        c.encoded = std::move(*packed);
+      }
+    }
     queue(std::move(c));
     if (total > kSmallUpload)
       flush(false);
@@ -652,6 +671,14 @@ Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta, int device) {
   }
   ++stats.uploads;
   return Value{nullptr, 0, llvm::IntrusiveRefCntPtr<DeviceData>(new DeviceData(handle, meta))};
+}
+
+bool Session::compressUploads() {
+  if (compress_ != Compress::Auto)
+    return compress_ == Compress::Always;
+  if (!lost() && !transport_.connected())
+    transport_.connect();
+  return transport_.connected() && transport_.fastestExchange() >= kCompressRoundTrip;
 }
 
 void Session::downloadTogether(std::vector<at::Tensor> tensors) {
@@ -1128,8 +1155,15 @@ Session::Reply Session::flush(bool wantReply) {
       u.setOffset(c.offset);
       u.setDevice(c.device);
       u.setTotal(c.meta.storageBytes());
-      u.setData(kj::arrayPtr(static_cast<const kj::byte *>(c.data.data_ptr()) + c.offset,
-                             c.length));
+      if (!c.encoded.empty()) {
+        u.setEncoding(1);
+        u.setLength(c.length);
+        u.setData(kj::arrayPtr(reinterpret_cast<const kj::byte *>(c.encoded.data()),
+                               c.encoded.size()));
+      } else {
+        u.setData(kj::arrayPtr(static_cast<const kj::byte *>(c.data.data_ptr()) + c.offset,
+                               c.length));
+      }
       dataBytes += c.length;
       break;
     }

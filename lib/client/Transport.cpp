@@ -290,6 +290,8 @@ void Transport::send(uint64_t seq, std::string bytes) {
     raise(ErrorKind::SessionLost, lostReason_);
   keptBytes_ += bytes.size();
   kept_.emplace_back(seq, std::move(bytes));
+  lastSent_ = seq;
+  lastSentAt_ = Clock::now();
   if (!socket_.connected() || !socket_.sendAll(kept_.back().second))
     recover("the connection closed while a frame was sent", Clock::now());
 }
@@ -349,8 +351,11 @@ net::Frame Transport::receive(uint64_t seq,
       } catch (const kj::Exception &) {
         // Malformed: the session reports it.
       }
-      if (ack >= seq || fatal)
+      if (ack >= seq || fatal) {
+        if (seq == lastSent_)
+          fastestReply_ = std::min(fastestReply_, heard - lastSentAt_);
         return frame;
+      }
       earlier(frame);
       continue;
     }
@@ -432,6 +437,8 @@ void Transport::keepAnchor() {
   std::string bytes = controlFrame(seq, /*bye=*/false);
   keptBytes_ += bytes.size();
   kept_.emplace_back(seq, std::move(bytes));
+  lastSent_ = seq;
+  lastSentAt_ = Clock::now();
 }
 
 void Transport::close() {
@@ -467,6 +474,7 @@ void Transport::reset() {
   seq_ = acked_ = 0;
   kept_.clear();
   keptBytes_ = 0;
+  roundTrip_ = fastestReply_ = Clock::duration::max(); // the next session may be elsewhere
 }
 
 } // namespace rgpu::client

@@ -131,6 +131,9 @@ struct Upload {
   total @3 :UInt64;      # bytes of the whole tensor
   data @4 :Data;
   device @5 :UInt8;      # rgpu:device, an index into HelloReply.devices
+  encoding @6 :UInt8;    # 0: data is the chunk's bytes; 1: data is them compressed by byte
+                         # plane (rgpu/wire/Planes.h), elements of the meta's dtype
+  length @7 :UInt64;     # with encoding 1, the bytes of the chunk that data decodes to
 }
 
 struct Download {

@@ -367,6 +367,7 @@ PYBIND11_MODULE(_C, m) {
     d["symbolic_runs"] = s.symbolicRuns.load();
     d["cuts_replayed"] = s.cutsReplayed.load();
     d["reads_remembered"] = s.readsRemembered.load();
+    d["upload_bytes_saved"] = s.uploadBytesSaved.load();
     d["throttled"] = s.throttled.load();
     d["throttled_ms"] = s.throttledNs.load() / 1e6;
     d["reconnects"] = Session::get().reconnects();

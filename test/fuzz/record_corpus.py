@@ -92,7 +92,15 @@ with torch.random.fork_rng(device_type="rgpu"):
     print(torch.nn.functional.dropout(a, 0.5).cpu())
 print(torch.empty(3, device=d).normal_(generator=g).cpu())
 """,
+    "compressed_uploads": """
+x = torch.randn(64, 64).to(d); t = torch.randint(0, 1000, (32, 64)).to(d)
+h = torch.randn(40, 40).half().to(d); b = (torch.rand(90, 90) > 0.5).to(d)
+print((x @ x).sum().item(), t.sum().item(), h.float().mean().item(), b.sum().item())
+""",
 }
+
+# Settings of a workload's client besides the defaults.
+ENV = {"compressed_uploads": {"RGPU_COMPRESS": "1"}}
 
 
 async def relay(target_port, record, ready):
@@ -159,7 +167,8 @@ def main():
             body = WORKLOADS[name]
             before = len(record)
             code = "import torch, rgpu\nd = 'rgpu'\ntorch.manual_seed(0)\n" + body
-            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+            r = subprocess.run([sys.executable, "-c", code], env=dict(env, **ENV.get(name, {})),
+                               capture_output=True,
                                text=True, timeout=300)
             if r.returncode != 0:
                 sys.exit(f"{name} failed:\n{r.stderr}")

@@ -9,6 +9,7 @@ shift 3
 here=$(dirname "$0")
 case $target in
   graph_fuzz) seeds=$here/corpus/frame ;;
+  planes_fuzz) seeds=$here/corpus/planes ;;
   *) seeds=$here/corpus/stream ;;
 esac
 mkdir -p "$build/corpus/$target" "$here/regressions/$target"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes the folder that a GPU machine without our Debian packages builds rgpu from:
-#   include/  the headers of Cap'n Proto and KJ, libuv, libsodium and LLVM's ADT and Support
+#   include/  the headers of Cap'n Proto and KJ, libuv, libsodium, zlib and LLVM's ADT and Support
 #   lib/      LLVM Support's static libraries (linked with hidden symbols, as always) and the
 #             others' shared ones, with zlib and terminfo that LLVM needs (Debian's other static
 #             libraries are not position-independent, and rgpu's Python modules are shared
@@ -15,7 +15,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 out=$(realpath -m "${1:-$repo/.device-deps}")
-pkgs=(libcapnp-0.9.2 libcapnp-dev libuv1 libuv1-dev libsodium23 libsodium-dev llvm-14-dev zlib1g libtinfo6)
+pkgs=(libcapnp-0.9.2 libcapnp-dev libuv1 libuv1-dev libsodium23 libsodium-dev llvm-14-dev zlib1g zlib1g-dev libtinfo6)
 
 command -v capnp >/dev/null || { echo "make-deps: needs the capnp compiler (make deps)" >&2; exit 1; }
 work=$(mktemp -d)
@@ -29,7 +29,8 @@ llvm=$r/usr/lib/llvm-14
 rm -rf "$out"
 mkdir -p "$out/include/llvm" "$out/lib" "$out/gen"
 cp -r "$r/usr/include/capnp" "$r/usr/include/kj" "$r/usr/include/uv" "$r/usr/include/uv.h" \
-      "$r/usr/include/sodium" "$r/usr/include/sodium.h" "$out/include/"
+      "$r/usr/include/sodium" "$r/usr/include/sodium.h" "$r/usr/include/zlib.h" \
+      "$r/usr/include/zconf.h" "$out/include/"
 for d in ADT Support Config Demangle; do cp -r "$r/usr/include/llvm-14/llvm/$d" "$out/include/llvm/"; done
 cp -r "$r/usr/include/llvm-c-14/llvm-c" "$out/include/"
 cp -L "$multiarch"/libcapnp-[0-9]*.so "$multiarch"/libkj-[0-9]*.so "$multiarch/libuv.so.1" \

@@ -37,7 +37,7 @@ struct Stats {
   std::atomic<uint64_t> messages{0}, waits{0}, bytesOut{0}, bytesIn{0}, graphsShipped{0},
       graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0}, graphsForgotten{0},
       graphsGeneralized{0}, symbolicRuns{0}, cutsReplayed{0}, throttled{0}, throttledNs{0},
-      readsRemembered{0};
+      readsRemembered{0}, uploadBytesSaved{0};
 };
 
 /// How errors reach the user; the Python glue replaces the default (std::runtime_error) so that
@@ -445,6 +445,10 @@ private:
   uint32_t site_ = 0; ///< The user's line whose sync is being served.
   std::vector<ir::Hash128> runsInFrame_;
   bool dynamic_ = true;
+  /// Whether uploads travel compressed by byte plane (RGPU_COMPRESS): auto does so on a link
+  /// with a round trip of 2 ms or more, where bandwidth, not the client's CPU, is short.
+  enum class Compress { Never, Auto, Always } compress_ = Compress::Auto;
+  bool compressUploads();
   ir::ShapeFamilies families_;
   ReplayCache replays_;
   bool checkReplays_ = false;

@@ -21,6 +21,7 @@
 
 #include <capnp/message.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -61,6 +62,13 @@ public:
   const wire::Limits &limits() const { return limits_; }
   /// The fastest Hello round trip seen: the link's own latency, without queues behind it.
   std::chrono::steady_clock::duration roundTrip() const { return roundTrip_; }
+  /// The fastest exchange seen, a Hello or a frame awaited until its reply (the server's work
+  /// included): at least the link's latency, and close to it once one exchange was quick. A
+  /// Hello on a busy machine can take milliseconds over loopback; a value read cannot take
+  /// less than the link's round trip.
+  std::chrono::steady_clock::duration fastestExchange() const {
+    return std::min(roundTrip_, fastestReply_);
+  }
 
   /// The sequence number for the next frame.
   uint64_t nextSeq() { return ++seq_; }
@@ -132,6 +140,9 @@ private:
   uint64_t keptBytes_ = 0;
   int reconnectSeconds_ = 60;
   std::chrono::steady_clock::duration roundTrip_ = std::chrono::steady_clock::duration::max();
+  std::chrono::steady_clock::duration fastestReply_ = std::chrono::steady_clock::duration::max();
+  uint64_t lastSent_ = 0; ///< The latest frame sent, and when.
+  std::chrono::steady_clock::time_point lastSentAt_;
 };
 
 } // namespace rgpu::client

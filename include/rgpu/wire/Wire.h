@@ -18,7 +18,7 @@
 namespace rgpu::wire {
 
 /// Wire protocol version; bumped on any incompatible schema change.
-constexpr uint32_t kProtocolVersion = 7;
+constexpr uint32_t kProtocolVersion = 8;
 
 /// Limits applied to every message a peer sends.
 struct Limits {

@@ -2,6 +2,7 @@
 // so authenticated): each bad peer gets an error or a closed connection, the server stays up,
 // and a well-behaved session alongside it keeps computing.
 #include "rgpu/net/Frame.h"
+#include "rgpu/wire/Planes.h"
 #include "rgpu/wire/Wire.h"
 
 #include <capnp/message.h>
@@ -550,6 +551,71 @@ TEST(Faults, UploadChunksThatWrapOrDisagreeAreRefusedWithoutTouchingMemory) {
   EXPECT_NE(Peer::errorOf(*reply).find("meta is malformed"), std::string::npos)
       << Peer::errorOf(*reply);
   EXPECT_EQ(bad.squareOnServer(), (std::vector<float>{1, 4, 9}));
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, CompressedUploadsAreCheckedBeforeAByteIsTrusted) {
+  Beside beside;
+  Peer bad;
+  bad.hello();
+  // 4096 floats counting up: their exponent plane compresses.
+  std::vector<float> values(4096);
+  for (size_t i = 0; i < values.size(); ++i)
+    values[i] = float(i);
+  const auto *raw = reinterpret_cast<const uint8_t *>(values.data());
+  std::string packed = *wire::encodePlanes(raw, 4 * values.size(), 4);
+  ir::TensorMeta meta = ir::TensorMeta::contiguous(ir::dtype::Float, {int64_t(values.size())});
+  ir::TensorMeta big = ir::TensorMeta::contiguous(ir::dtype::Float, {1 << 25}); // 128 MiB
+  // A bomb: 1 MiB of zeros deflated to about a kilobyte, declared as 16 KiB.
+  std::vector<uint8_t> zeros(1 << 20);
+  std::string bomb = *wire::encodePlanes(zeros.data(), zeros.size(), 1);
+  struct Case {
+    const char *why;
+    ir::TensorMeta meta;
+    uint8_t encoding;
+    uint64_t length;
+    std::string data;
+  } cases[] = {
+      {"encoding 2 is unknown", meta, 2, 16384, packed},
+      {"more than a chunk's", big, 1, 128ull << 20, packed},
+      {"ends past the total", meta, 1, 16388, packed},
+      {"inflates past its 4096 bytes", meta, 1, 16384, bomb},
+      {"follow the last byte plane", meta, 1, 16384, packed + "trailing"},
+      {"byte plane 0 of 4 is missing", meta, 1, 16384, ""},
+      {"byte plane", meta, 1, 16384, packed.substr(0, packed.size() / 2)},
+  };
+  uint64_t h = 700;
+  for (const Case &c : cases) {
+    auto reply = bad.send(true, 1, [&](auto cmds) {
+      uploadChunk(cmds[0], ++h, c.meta, c.meta.storageBytes(), 0,
+                  kj::arrayPtr(reinterpret_cast<const kj::byte *>(c.data.data()), c.data.size()));
+      cmds[0].getUpload().setEncoding(c.encoding);
+      cmds[0].getUpload().setLength(c.length);
+    });
+    ASSERT_TRUE(reply) << c.why;
+    std::string error = Peer::errorOf(*reply);
+    EXPECT_NE(error.find("malformed upload"), std::string::npos) << c.why << ": " << error;
+    EXPECT_NE(error.find(c.why), std::string::npos) << c.why << ": " << error;
+    ASSERT_TRUE(server().alive()) << c.why;
+  }
+  // A well-formed one arrives as the bytes it was made from.
+  auto reply = bad.send(true, 2, [&](auto cmds) {
+    uploadChunk(cmds[0], ++h, meta, meta.storageBytes(), 0,
+                kj::arrayPtr(reinterpret_cast<const kj::byte *>(packed.data()), packed.size()));
+    cmds[0].getUpload().setEncoding(1);
+    cmds[0].getUpload().setLength(meta.storageBytes());
+    auto down = cmds[1].initDownload();
+    down.setHandle(h);
+    wire::encodeMeta(meta, down.initMeta());
+  });
+  ASSERT_TRUE(reply);
+  auto r = net::openFrame(*reply, wire::Limits());
+  auto results = r->getRoot<wire::ServerFrame>().getResults();
+  ASSERT_EQ(results.size(), 1u) << Peer::errorOf(*reply);
+  ASSERT_TRUE(results[0].isData());
+  ASSERT_EQ(results[0].getData().size(), 4 * values.size());
+  EXPECT_EQ(std::memcmp(results[0].getData().begin(), raw, 4 * values.size()), 0);
   EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }
