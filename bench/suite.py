@@ -38,6 +38,10 @@ WORKLOADS = ["mlp", "mlp-ready", "cnn", "gpt", "gpt-ready", "infer", "gen", "gen
 GEN_TOKENS = 16  # tokens per step of the gen workloads
 LINK_MBIT = 100.0
 PREROLL = 40  # untimed steps before each round of a -ready loop (see child)
+# Timed steps of a round of a -ready loop, at least: a pipelined loop runs ahead of its server
+# and link for a few steps and is then held, so a short round's mean says little about the pace
+# it sustains (rounds of 5 steps gave 1.4 to 5.6 ms for the same link-bound MLP loop).
+READY_ROUND = 40
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,6 +405,8 @@ def measure(workload, runs, addresses, warmup, steps, rounds):
         print(f"  {workload:7} {system:14} rtt {rtt:>2} ms: warming up", flush=True)
         children.append(Child(workload, system, rtt, addresses.get((system, rtt)), warmup, 1200))
     per_round = max(1, steps // rounds)
+    if workload.endswith("-ready"):
+        per_round = max(per_round, READY_ROUND)
     for r in range(rounds):
         shift = r % len(children)
         for c in children[shift:] + children[:shift]:
