@@ -32,37 +32,27 @@ double sampledEntropy(const uint8_t *p, size_t n) {
   return bits;
 }
 
-/// Element i's byte k goes to planes[k * count + i], and back; the common widths unrolled.
-template <unsigned W> void transposeBy(const uint8_t *in, uint8_t *planes, size_t count) {
-  for (unsigned k = 0; k < W; ++k)
-    for (size_t i = 0; i < count; ++i)
-      planes[k * count + i] = in[i * W + k];
+/// Element i's byte k is planes[k * count + i]: with Split the bytes move there from the
+/// elements, otherwise back. W fixes the width for the compiler (0: \p width).
+template <bool Split, unsigned W>
+void movePlanesBy(uint8_t *elements, uint8_t *planes, size_t count, unsigned width) {
+  const unsigned w = W ? W : width;
+  for (unsigned k = 0; k < w; ++k)
+    for (size_t i = 0; i < count; ++i) {
+      uint8_t &e = elements[i * w + k], &p = planes[k * count + i];
+      if constexpr (Split)
+        p = e;
+      else
+        e = p;
+    }
 }
-template <unsigned W> void untransposeBy(const uint8_t *planes, uint8_t *out, size_t count) {
-  for (unsigned k = 0; k < W; ++k)
-    for (size_t i = 0; i < count; ++i)
-      out[i * W + k] = planes[k * count + i];
-}
-void transpose(const uint8_t *in, uint8_t *planes, size_t count, unsigned width) {
+template <bool Split>
+void movePlanes(uint8_t *elements, uint8_t *planes, size_t count, unsigned width) {
   switch (width) {
-  case 2: return transposeBy<2>(in, planes, count);
-  case 4: return transposeBy<4>(in, planes, count);
-  case 8: return transposeBy<8>(in, planes, count);
-  default:
-    for (unsigned k = 0; k < width; ++k)
-      for (size_t i = 0; i < count; ++i)
-        planes[k * count + i] = in[i * width + k];
-  }
-}
-void untranspose(const uint8_t *planes, uint8_t *out, size_t count, unsigned width) {
-  switch (width) {
-  case 2: return untransposeBy<2>(planes, out, count);
-  case 4: return untransposeBy<4>(planes, out, count);
-  case 8: return untransposeBy<8>(planes, out, count);
-  default:
-    for (unsigned k = 0; k < width; ++k)
-      for (size_t i = 0; i < count; ++i)
-        out[i * width + k] = planes[k * count + i];
+  case 2: return movePlanesBy<Split, 2>(elements, planes, count, width);
+  case 4: return movePlanesBy<Split, 4>(elements, planes, count, width);
+  case 8: return movePlanesBy<Split, 8>(elements, planes, count, width);
+  default: return movePlanesBy<Split, 0>(elements, planes, count, width);
   }
 }
 
@@ -134,7 +124,7 @@ std::optional<std::string> encodePlanes(const uint8_t *data, size_t n, unsigned 
   std::vector<uint8_t> split;
   if (planes > 1) {
     split.resize(n);
-    transpose(data, split.data(), plane, planes);
+    movePlanes<true>(const_cast<uint8_t *>(data), split.data(), plane, planes);
   }
   Deflater deflater;
   std::string out;
@@ -204,7 +194,7 @@ bool decodePlanes(const uint8_t *blob, size_t size, uint8_t *out, size_t n, unsi
     return false;
   }
   if (planes > 1)
-    untranspose(scratch.data(), out, plane, planes);
+    movePlanes<false>(out, scratch.data(), plane, planes);
   return true;
 }
 
