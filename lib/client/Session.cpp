@@ -73,7 +73,7 @@ struct Session::Command {
   ir::TensorMeta meta;
   at::Tensor data; ///< A private CPU copy of an upload's bytes.
   uint64_t offset = 0, length = 0;
-  std::string encoded; ///< An upload chunk compressed by byte plane (rgpu/wire/Planes.h), if it is.
+  std::string encoded; ///< An upload chunk compressed by byte plane (rgpu/wire/Planes.h).
   std::string executor; ///< A Define's executor hint.
   std::vector<ir::Hash128> hashes; ///< A Forget's graphs.
   llvm::SmallVector<int64_t, 4> symbols; ///< A Run's symbol values (of a symbolic graph).
@@ -661,6 +661,7 @@ Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta, int device) {
       if (auto packed = wire::encodePlanes(bytes, c.length, ir::dtype::itemSize(meta.dtype))) {
         stats.uploadBytesSaved += c.length - packed->size();
         c.encoded = std::move(*packed);
+        c.data = at::Tensor(); // the frame carries the encoded bytes only
       }
     }
     queue(std::move(c));

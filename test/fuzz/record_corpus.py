@@ -168,8 +168,7 @@ def main():
             before = len(record)
             code = "import torch, rgpu\nd = 'rgpu'\ntorch.manual_seed(0)\n" + body
             r = subprocess.run([sys.executable, "-c", code], env=dict(env, **ENV.get(name, {})),
-                               capture_output=True,
-                               text=True, timeout=300)
+                               capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
                 sys.exit(f"{name} failed:\n{r.stderr}")
             streams = record[before:]

@@ -442,8 +442,8 @@ def test_uploads_compressed_by_byte_plane_arrive_exactly(server):
 
 
 def test_uploads_are_compressed_on_a_slow_link_only(server):
-    """By default uploads are compressed on a link of 2 ms of round trip or more (its Hello's),
-    where the link, not the client's CPU, is what is short."""
+    """By default uploads are compressed where the link's fastest exchange (a Hello, or a wait
+    for a reply) took 2 ms or more: there the link, not the client's CPU, is what is short."""
     import os
     import subprocess
     import sys

@@ -445,8 +445,8 @@ private:
   uint32_t site_ = 0; ///< The user's line whose sync is being served.
   std::vector<ir::Hash128> runsInFrame_;
   bool dynamic_ = true;
-  /// Whether uploads travel compressed by byte plane (RGPU_COMPRESS): auto does so on a link
-  /// with a round trip of 2 ms or more, where bandwidth, not the client's CPU, is short.
+  /// Whether uploads travel compressed by byte plane (RGPU_COMPRESS): auto does so where the
+  /// link's fastest exchange took 2 ms or more, where bandwidth, not the client's CPU, is short.
   enum class Compress { Never, Auto, Always } compress_ = Compress::Auto;
   bool compressUploads();
   ir::ShapeFamilies families_;
