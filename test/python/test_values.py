@@ -461,3 +461,20 @@ def test_uploads_are_compressed_on_a_slow_link_only(server):
     finally:
         relay.kill()
         relay.wait()
+
+
+def test_a_compressed_upload_of_several_chunks_arrives_exactly(server):
+    """A tensor past one upload chunk (64 MiB) is compressed chunk by chunk; each decodes at its
+    offset, the last one shorter."""
+    from conftest import run_client
+
+    code = """
+import torch, rgpu
+x = torch.randn(20_000_000)                # 80 MB: two chunks, float32 noise
+i = torch.randint(0, 100, (9_000_000,))    # 72 MB of int64: two chunks, mostly zero planes
+for t in (x, i):
+    assert torch.equal(t.to("rgpu").cpu(), t), t.dtype
+print("saved", rgpu.stats()["upload_bytes_saved"])
+"""
+    # Both compress: noise by its exponent plane (~1/6), the int64s by their zero planes.
+    assert saved(run_client(server.address, code, env={"RGPU_COMPRESS": "1"})) > 60_000_000
