@@ -32,27 +32,27 @@ double sampledEntropy(const uint8_t *p, size_t n) {
   return bits;
 }
 
-/// Element i's byte k is planes[k * count + i]: with Split the bytes move there from the
-/// elements, otherwise back. W fixes the width for the compiler (0: \p width).
+/// Element i's byte k is plane byte k * count + i: with Split, \p from holds the elements and
+/// \p to gets the planes; otherwise the reverse. W fixes the width for the compiler (0: \p width).
 template <bool Split, unsigned W>
-void movePlanesBy(uint8_t *elements, uint8_t *planes, size_t count, unsigned width) {
+void movePlanesBy(const uint8_t *from, uint8_t *to, size_t count, unsigned width) {
   const unsigned w = W ? W : width;
   for (unsigned k = 0; k < w; ++k)
     for (size_t i = 0; i < count; ++i) {
-      uint8_t &e = elements[i * w + k], &p = planes[k * count + i];
+      const size_t element = i * w + k, plane = k * count + i;
       if constexpr (Split)
-        p = e;
+        to[plane] = from[element];
       else
-        e = p;
+        to[element] = from[plane];
     }
 }
 template <bool Split>
-void movePlanes(uint8_t *elements, uint8_t *planes, size_t count, unsigned width) {
+void movePlanes(const uint8_t *from, uint8_t *to, size_t count, unsigned width) {
   switch (width) {
-  case 2: return movePlanesBy<Split, 2>(elements, planes, count, width);
-  case 4: return movePlanesBy<Split, 4>(elements, planes, count, width);
-  case 8: return movePlanesBy<Split, 8>(elements, planes, count, width);
-  default: return movePlanesBy<Split, 0>(elements, planes, count, width);
+  case 2: return movePlanesBy<Split, 2>(from, to, count, width);
+  case 4: return movePlanesBy<Split, 4>(from, to, count, width);
+  case 8: return movePlanesBy<Split, 8>(from, to, count, width);
+  default: return movePlanesBy<Split, 0>(from, to, count, width);
   }
 }
 
@@ -124,7 +124,7 @@ std::optional<std::string> encodePlanes(const uint8_t *data, size_t n, unsigned 
   std::vector<uint8_t> split;
   if (planes > 1) {
     split.resize(n);
-    movePlanes<true>(const_cast<uint8_t *>(data), split.data(), plane, planes);
+    movePlanes<true>(data, split.data(), plane, planes);
   }
   Deflater deflater;
   std::string out;
@@ -194,7 +194,7 @@ bool decodePlanes(const uint8_t *blob, size_t size, uint8_t *out, size_t n, unsi
     return false;
   }
   if (planes > 1)
-    movePlanes<false>(out, scratch.data(), plane, planes);
+    movePlanes<false>(scratch.data(), out, plane, planes);
   return true;
 }
 
