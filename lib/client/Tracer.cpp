@@ -1141,6 +1141,67 @@ void toCopyStaysFunctional(const c10::OperatorHandle &op, c10::DispatchKeySet ke
     stack->back() = fz::to_functional_tensor(out);
 }
 
+/// `view.copy_(src)`, and so `x[:, i:j] = y`, on an rgpu tensor: functionalization's own kernel
+/// for it, but for its last step. After recording the write for the base, that kernel
+/// regenerates the view from the updated base at once: the base's pending writes are applied
+/// (a `slice_scatter` traced) and the view sliced from the result again (another op traced).
+/// The view of a cache write (`cache[:, :, i:i + 1] = k`) is never read again, so that second
+/// op was traced for nothing. Here the view is left behind its storage, as any alias of it is
+/// after a write: it regenerates at its next use. Until then its value is the copy, which holds
+/// the view's elements, and its layout where the copy kept it (InplaceChecks.h). This kernel
+/// replaces ADInplaceOrView's for copy_ (registered below), so other tensors get what that one
+/// does.
+at::Tensor &copyInto(c10::DispatchKeySet keys, at::Tensor &self, const at::Tensor &src,
+                     bool nonBlocking) {
+  namespace fz = at::functionalization::impl;
+  if (!keys.has(c10::DispatchKey::Functionalize) || !self.device().is_privateuseone() ||
+      !fz::isFunctionalTensor(self)) {
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      at::_ops::copy_::redispatch(keys & c10::after_ADInplaceOrView_keyset, self, src,
+                                  nonBlocking);
+    }
+    torch::autograd::impl::bump_version(self);
+    return self;
+  }
+  at::AutoDispatchBelowADInplaceOrView below; // as ADInplaceOrView's kernel leaves it
+  {
+    // The check functionalization runs first: broadcasting src into self fails as in eager.
+    auto meta = [](const at::Tensor &t) {
+      return at::empty_strided_symint(t.sym_sizes(), t.sym_strides(),
+                                      t.options().device(c10::kMeta));
+    };
+    at::Tensor selfMeta = meta(self), srcMeta = meta(src);
+    at::AutoDispatchSkipFunctionalize skip;
+    c10::impl::ExcludeDispatchKeyGuard modes(
+        c10::functorch_transforms_ks |
+        c10::DispatchKeySet({c10::DispatchKey::FuncTorchDynamicLayerBackMode,
+                             c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+                             c10::DispatchKey::Python, c10::DispatchKey::PreDispatch}));
+    at::_ops::copy_::call(selfMeta, srcMeta, nonBlocking);
+  }
+  fz::sync(self);
+  at::Tensor src_ = src;
+  if (fz::isFunctionalTensor(src)) {
+    fz::sync(src);
+    src_ = fz::from_functional_tensor(src);
+  }
+  at::Tensor copied;
+  {
+    at::AutoDispatchSkipFunctionalize skip;
+    copied = at::_ops::copy::call(fz::from_functional_tensor(self), src_, nonBlocking);
+  }
+  const bool sameLayout = copied.sym_sizes() == self.sym_sizes() &&
+                          copied.sym_strides() == self.sym_strides() &&
+                          copied.sym_storage_offset() == self.sym_storage_offset();
+  fz::replace_(self, copied);
+  fz::commit_update(self);
+  if (!sameLayout) // a copy from the CPU: the view's layout comes back from its base
+    fz::sync(self);
+  torch::autograd::impl::bump_version(self);
+  return self;
+}
+
 thread_local c10::DeviceIndex tlsDevice = 0;
 
 /// rgpu's devices are the server's (--devices); the current one is per thread, as CUDA's is.
@@ -1457,6 +1518,20 @@ TORCH_LIBRARY_IMPL(aten, Functionalize, m) {
 TORCH_LIBRARY_IMPL(aten, ADInplaceOrView, m) {
   m.impl("_to_copy", torch::CppFunction::makeFromBoxedFunction<&rgpu::client::toCopyStaysFunctional>());
 }
+
+namespace {
+// copyInto replaces ADInplaceOrView's kernel for copy_, which the dispatcher warns about.
+const bool copyIntoRegistered = [] {
+  static torch::Library *lib = new torch::Library(
+      torch::Library::IMPL, "aten", c10::DispatchKey::ADInplaceOrView, __FILE__, __LINE__);
+  struct Silent : c10::WarningHandler {
+    void process(const c10::Warning &) override {}
+  } silent;
+  c10::WarningUtils::WarningHandlerGuard guard(&silent);
+  lib->impl("copy_", TORCH_FN(rgpu::client::copyInto));
+  return true;
+}();
+} // namespace
 
 // Composite kernels would otherwise win over the fallback for these; rgpu needs to see them whole.
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {

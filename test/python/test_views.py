@@ -310,3 +310,35 @@ def test_out_and_in_place_ops_refuse_a_result_their_dtype_cannot_hold_as_on_cpu(
     # Safe casts and resizes go on as on the CPU.
     run_both(lambda f, i: torch.add(i, 1, out=f), torch.zeros(2), torch.tensor([1, 2]))
     run_both(lambda e: torch.mul(torch.ones(3, device=e.device), 2, out=e), torch.empty(0))
+
+
+def test_a_view_written_then_dropped_costs_one_traced_op_less_and_stays_right():
+    # A cache write (`c[:, :, i:i + 1] = k`) leaves its view behind the storage instead of
+    # slicing it again at once from the updated base; a view that is used again regenerates.
+    def writes(c, k):
+        for i in range(3):
+            c[:, :, i:i + 1] = k * i
+        v = c[:, :, 4:6]
+        v.copy_(k.expand(2, 3, 2, 4))   # v written, then read, then its base written under it
+        first = v * 1
+        c[:, :, 5:6] = -k
+        return torch.cat([t.flatten() for t in (first, v * 2, c[:, :, 2:6].sum(2), c[0:1])])
+
+    run_both(writes, torch.zeros(2, 3, 8, 4), torch.randn(2, 3, 1, 4))
+    # Every layout still matches the CPU's after the write, which a copy from the CPU changes.
+    for src in (torch.ones(4, 2), torch.ones(4, 2).to(R)):
+        cpu_base, dev_base = torch.zeros(6, 4), torch.zeros(6, 4).to(R)
+        cpu, dev = cpu_base.t()[:, 1:3], dev_base.t()[:, 1:3]
+        cpu.copy_(src.cpu())
+        dev.copy_(src)
+        assert dev.stride() == cpu.stride()
+        same(dev, cpu)
+        same(dev_base, cpu_base)
+
+    c, k = torch.zeros(1, 2, 16, 4, device=R), torch.ones(1, 2, 1, 4, device=R)
+    (c * 1).cpu()
+    before = rgpu.stats()["ops_traced"]
+    c[:, :, 3:4] = k
+    # The slice, the copy; the slice_scatter that applies the write comes with the next read.
+    assert rgpu.stats()["ops_traced"] - before == 2
+    assert (c * 1).sum().item() == 8
