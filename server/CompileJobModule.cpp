@@ -179,7 +179,8 @@ py::dict readJob(const std::string &path) {
 
 void writeOk(const std::string &path, const std::vector<std::pair<uint32_t, py::object>> &constants,
              uint32_t fxNodes, const std::vector<std::tuple<uint32_t, int64_t, int64_t>> &ranges,
-             const std::vector<std::tuple<uint32_t, uint32_t, int64_t, int64_t>> &relations) {
+             const std::vector<std::tuple<uint32_t, uint32_t, int64_t, int64_t>> &relations,
+             const std::vector<std::pair<uint32_t, uint32_t>> &writes) {
   capnp::MallocMessageBuilder b;
   auto ok = b.initRoot<wire::CompileResult>().initOk();
   auto list = ok.initConstants(constants.size());
@@ -201,6 +202,11 @@ void writeOk(const std::string &path, const std::vector<std::pair<uint32_t, py::
     rel[i].setCoef(std::get<2>(relations[i]));
     rel[i].setOffset(std::get<3>(relations[i]));
   }
+  auto w = ok.initWrites(2 * writes.size());
+  for (size_t i = 0; i < writes.size(); ++i) {
+    w.set(2 * i, writes[i].first);
+    w.set(2 * i + 1, writes[i].second);
+  }
   if (std::string e = wire::writeMessageFile(path, b); !e.empty())
     throw std::runtime_error(e);
 }
@@ -220,9 +226,11 @@ PYBIND11_MODULE(rgpu_compile_job, m) {
   m.def("write_ok", &writeOk, py::arg("path"), py::arg("constants"), py::arg("fx_nodes"),
         py::arg("ranges") = std::vector<std::tuple<uint32_t, int64_t, int64_t>>(),
         py::arg("relations") = std::vector<std::tuple<uint32_t, uint32_t, int64_t, int64_t>>(),
+        py::arg("writes") = std::vector<std::pair<uint32_t, uint32_t>>(),
         "Writes a successful CompileResult: the (slot, value) pairs compiled as constants, "
-        "the (symbol, min, max) sizes a symbolic graph's package holds for and the (symbol, "
-        "of, coef, offset) relations symbol == coef * of + offset it requires.");
+        "the (symbol, min, max) sizes a symbolic graph's package holds for, the (symbol, "
+        "of, coef, offset) relations symbol == coef * of + offset it requires and the "
+        "(output, input) pairs the package writes into an input instead of returning.");
   m.def("write_error", &writeError, py::arg("path"), py::arg("message"),
         "Writes a failed CompileResult with its reason.");
 }

@@ -49,7 +49,7 @@ constexpr int kTimedOut = -2;
 constexpr size_t kMaxStates = 8192;
 
 /// Bumped whenever inductor_worker.py changes what it builds from the same graph.
-constexpr const char *kWorkerFormat = "4";
+constexpr const char *kWorkerFormat = "5";
 
 /// A compiled run whose every input and output has at most this many elements runs on one
 /// thread (ATen parallelizes elementwise work from 32,768 elements).
@@ -115,6 +115,11 @@ std::string readResult(const std::string &path, Specialization *spec = nullptr) 
         spec->ranges.push_back({r.getSymbol(), r.getMin(), r.getMax()});
       for (auto r : result.getOk().getRelations())
         spec->relations.push_back({r.getSymbol(), r.getOf(), r.getCoef(), r.getOffset()});
+      auto w = result.getOk().getWrites();
+      if (w.size() % 2 != 0)
+        return path + ": writes are not pairs";
+      for (size_t k = 0; k < w.size(); k += 2)
+        spec->writes.emplace_back(w[k], w[k + 1]);
     }
     return "";
   } catch (const kj::Exception &e) {
@@ -188,7 +193,7 @@ bool CompiledGraph::exportable(const Plan &plan, llvm::ArrayRef<int64_t> symbols
 
 void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
                         llvm::ArrayRef<ir::ScalarValue> scalars, std::vector<Entry> &outputs,
-                        const Shapes *shapes) const {
+                        const Shapes *shapes, uint64_t *inPlace) const {
   const ir::Graph &g = plan.graph();
   std::vector<const ir::TensorMeta *> metas = shapes ? shapes->metas : g.valueMetas();
   // A small run spends more waking OpenMP's team than computing (see docs/architecture.md,
@@ -210,6 +215,17 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
   args.reserve(inputs.size() + scalars.size());
   for (const Entry &e : inputs)
     args.push_back(e.tensor);
+  for (auto [o, i] : spec_.writes) {
+    at::Tensor &t = args[i];
+    // Held by its entry and by args alone, and the only tensor of its storage: nobody can see
+    // the write. Otherwise the package writes a copy.
+    if (t.use_count() == 2 && t.storage().use_count() == 1 && !t.is_neg() && !t.is_conj()) {
+      if (inPlace)
+        ++*inPlace;
+    } else {
+      t = at::empty_strided(t.sizes(), t.strides(), t.options()).copy_(t);
+    }
+  }
   std::vector<at::Tensor> scalarArgs = takeScalars(g);
   for (size_t k = 0; k < scalars.size(); ++k) {
     at::Tensor &t = scalarArgs[k];
@@ -220,8 +236,10 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
     args.push_back(t);
   }
   std::vector<at::Tensor> results = loader_->run(args);
-  args.clear();
   giveScalars(std::move(scalarArgs));
+  for (auto [o, i] : spec_.writes) // in output order (written_inputs)
+    results.insert(results.begin() + std::min<size_t>(o, results.size()), args[i]);
+  args.clear();
   if (results.size() != g.outputs.size())
     throw std::runtime_error("the compiled graph returned " + std::to_string(results.size()) +
                              " outputs, the graph has " + std::to_string(g.outputs.size()));
@@ -479,6 +497,17 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
     if (std::string e = readResult(package + ".spec", &spec); !e.empty()) {
       error = "its package has no readable .spec file (" + e + ")";
       return nullptr;
+    }
+    const ir::Graph &g = job.plan->graph();
+    std::vector<bool> written(g.inputs.size());
+    for (size_t k = 0; k < spec.writes.size(); ++k) {
+      auto [o, i] = spec.writes[k];
+      if (o >= g.outputs.size() || i >= g.inputs.size() || written[i] ||
+          (k > 0 && o <= spec.writes[k - 1].first)) {
+        error = "its .spec file names writes the graph cannot have";
+        return nullptr;
+      }
+      written[i] = true;
     }
     try {
       auto loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(

@@ -71,6 +71,9 @@ struct Specialization {
     int64_t coef, offset;
   };
   std::vector<Relation> relations;
+  /// (output, input): the package writes that output into that input's buffer and does not
+  /// return it (inductor_worker.py's written_inputs).
+  std::vector<std::pair<uint32_t, uint32_t>> writes;
 };
 
 /// A graph compiled by AOTInductor, ready to run.
@@ -90,10 +93,13 @@ public:
   static bool exportable(const Plan &plan, llvm::ArrayRef<int64_t> symbols,
                          const std::vector<Entry> &inputs);
   /// Runs the package; outputs get the layouts \p plan's graph records (for a symbolic plan,
-  /// those of \p shapes). Throws on failure.
+  /// those of \p shapes). An input the package writes is written in place when nothing but
+  /// \p inputs holds its tensor or storage (the session released its handle), else a copy of
+  /// it is; \p inPlace counts the former. Throws on failure.
   void run(const Plan &plan, const std::vector<Entry> &inputs,
            llvm::ArrayRef<ir::ScalarValue> scalars, std::vector<Entry> &outputs,
-           const Shapes *shapes = nullptr) const;
+           const Shapes *shapes = nullptr, uint64_t *inPlace = nullptr) const;
+  const std::vector<std::pair<uint32_t, uint32_t>> &writes() const { return spec_.writes; }
 
 private:
   /// 0-dim CPU tensors for a run's scalars, the form the worker exported them in, with the

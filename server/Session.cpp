@@ -368,7 +368,26 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       fatal = "a frame of " + std::to_string(commands.size()) + " commands, more than the limit of " +
               std::to_string(ctx_.limits().maxCommands);
     uint64_t replyData = 0;
+    FrameTail tail;
+    size_t lastRun = commands.size(), index = 0;
+    if (fatal.empty()) {
+      for (size_t k = 0; k < commands.size(); ++k)
+        if (commands[k].isRun())
+          lastRun = k;
+      for (size_t k = lastRun + 1; k < commands.size(); ++k) {
+        auto c = commands[k];
+        if (c.isRelease())
+          for (uint64_t h : c.getRelease())
+            tail.released.insert(tail.released.end(), {h, 1});
+        else if (c.isReleaseRanges() && c.getReleaseRanges().size() % 2 == 0)
+          for (uint64_t v : c.getReleaseRanges())
+            tail.released.push_back(v);
+        else if (c.isDownload())
+          tail.downloaded.push_back(c.getDownload().getHandle());
+      }
+    }
     for (auto cmd : commands) {
+      const size_t at = index++;
       // A connection that ended has its remaining commands dropped, unless the session waits
       // for a resume: then the frame is run whole, so that a replay never runs half of it.
       if (!fatal.empty() || adopted_ || (cancelled_ && cancelled_->load() && !resumable()))
@@ -390,7 +409,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       case wire::Command::BYE: ended_ = true; break;
       case wire::Command::RUN: {
         std::vector<std::vector<ir::TensorMeta>> metas;
-        run(cmd.getRun(), metas);
+        run(cmd.getRun(), metas, at == lastRun ? &tail : nullptr);
         if (cmd.getRun().getReplyMetas())
           results.push_back({wire::Result::METAS, nullptr, std::move(metas[0])});
         break;
@@ -655,6 +674,15 @@ FrameOutcome Session::serve(const net::Frame &frame) {
   return outcome;
 }
 
+bool Session::FrameTail::frees(uint64_t handle) const {
+  if (std::find(downloaded.begin(), downloaded.end(), handle) != downloaded.end())
+    return false;
+  for (size_t k = 0; k + 1 < released.size(); k += 2)
+    if (handle - released[k] < released[k + 1])
+      return true;
+  return false;
+}
+
 void Session::release(uint64_t handle) {
   tensors_.erase(handle);
   if (handle == stagedHandle_)
@@ -729,6 +757,7 @@ void Session::stats(wire::ServerStats::Builder out) {
   out.setSessionTensors(tensors_.size());
   out.setCompiledRuns(ctx_.compiledRuns);
   out.setSessionCompiledRuns(compiledRuns_);
+  out.setSessionWritesInPlace(writesInPlace_);
   out.setConnections(ctx_.connectionsOpen);
   out.setConnectionsRefused(ctx_.connectionsRefused);
   out.setSessionMemory(account_->held);
@@ -924,7 +953,8 @@ std::string Session::runArgs(wire::Run::Reader r, const ir::Hash128 &hash, const
   return "";
 }
 
-void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas) {
+void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas,
+                  const FrameTail *tail) {
   metas.assign(1, {});
   ir::Hash128 hash = wire::decodeHash(r.getHash());
   // Only graphs this session defined: a Run cannot learn whether another session defined one.
@@ -1030,8 +1060,15 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   auto start = std::chrono::steady_clock::now();
   bool ran = false;
   if (compiled) {
+    // An input the compiled code writes, released later in this frame with nothing reading it
+    // in between, is released now: its buffer can take the write (CompiledGraph::run).
+    if (tail)
+      for (auto [o, i] : compiled->writes())
+        if (tail->frees(handles[i]) &&
+            std::count(handles.begin(), handles.end(), handles[i]) == 1)
+          release(handles[i]);
     try {
-      compiled->run(*plan, inputs, scalars, outputs, sized);
+      compiled->run(*plan, inputs, scalars, outputs, sized, &writesInPlace_);
       ran = true;
       ++ctx_.compiledRuns;
       ++compiledRuns_;

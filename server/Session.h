@@ -191,7 +191,15 @@ private:
   void hello(wire::Hello::Reader r, std::string &fatal, std::string &serverMac);
   void define(wire::Define::Reader r);
   void forget(capnp::List<wire::Hash>::Reader hashes);
-  void run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas);
+  /// What a frame does after its last Run: the handles it releases (pairs first, count) and
+  /// downloads. That Run may let its compiled code write into the buffer of an input released
+  /// there and not downloaded before (CompiledGraph::run).
+  struct FrameTail {
+    std::vector<uint64_t> released, downloaded;
+    bool frees(uint64_t handle) const;
+  };
+  void run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas,
+           const FrameTail *tail = nullptr);
   void upload(wire::Upload::Reader r);
   /// Reads a tensor's bytes into \p bytes, at most \p room of them (what the reply has left).
   std::string download(wire::Download::Reader r, uint64_t room, kj::Array<kj::byte> &bytes);
@@ -265,7 +273,7 @@ private:
   std::string runArgs(wire::Run::Reader r, const ir::Hash128 &hash, const ir::Graph &g,
                       std::vector<uint64_t> &inputs,
                       llvm::SmallVectorImpl<ir::ScalarValue> &scalars);
-  uint64_t runs_ = 0, executeNs_ = 0, compiledRuns_ = 0;
+  uint64_t runs_ = 0, executeNs_ = 0, compiledRuns_ = 0, writesInPlace_ = 0;
   std::vector<std::string> notes_; ///< For the client's log, sent with the next reply.
   void stats(wire::ServerStats::Builder out);
   ErrorPtr pending_; ///< The first error not yet reported to the client.

@@ -191,12 +191,78 @@ class Interpreter:
 
 
 class _Module(torch.nn.Module):
-    def __init__(self, interpreter):
+    """The graph as a module; each (output, input) of `writes` is written into that input, not
+    returned."""
+
+    def __init__(self, interpreter, writes):
         super().__init__()
         self.interpreter = interpreter
+        self.writes = dict(writes)
 
     def forward(self, *args):
-        return self.interpreter(*args)
+        outs = self.interpreter(*args)
+        for o, i in self.writes.items():
+            args[i].copy_(outs[o])
+        return tuple(t for o, t in enumerate(outs) if o not in self.writes)
+
+
+# Ops whose result is their first argument with a region replaced by values that do not depend
+# on what the region held: run again on their own result, they give the same result.
+OVERWRITES_FIRST = {"aten::slice_scatter", "aten::select_scatter", "aten::diagonal_scatter",
+                    "aten::index_copy"}
+# A view of the region a write replaces, which functionalization reads only for its layout (as
+# `self` of aten::copy, whose result is `src`'s values).
+REGION_VIEWS = {"aten::slice_copy.Tensor", "aten::select_copy.int"}
+
+
+def written_inputs(graph):
+    """[(output, input)]: graph outputs the package writes into the buffer of a graph input
+    instead of a new one (a static KV cache's `cache[:, :, i:i + 1] = k` is a slice_scatter of
+    the whole cache). The server hands the package an input's own buffer when the client has
+    released it and nothing else holds it, else a copy. Only an input read by nothing but the
+    OVERWRITES_FIRST op that makes the output (as its first argument, with the input's layout)
+    and REGION_VIEWS whose values nobody reads: if a compiled run fails after writing, the
+    server's rerun on the plan reads the written buffer and still computes the same outputs."""
+    n_inputs = len(graph["inputs"])
+    uses = {}  # value -> [(node, argument position)], a graph output as (None, -1)
+    made_by, value = {}, n_inputs
+    for node in graph["nodes"]:
+        for pos, (kind, v) in enumerate(node["args"]):
+            if kind == "tensor":
+                uses.setdefault(v, []).append((node, pos))
+        for k in range(len(node["outputs"])):
+            made_by[value + k] = node
+        value += len(node["outputs"])
+    outputs_of = {}
+    for v in graph["outputs"]:
+        uses.setdefault(v, []).append((None, -1))
+    value = n_inputs
+    for node in graph["nodes"]:
+        outputs_of[id(node)] = range(value, value + len(node["outputs"]))
+        value += len(node["outputs"])
+
+    def layout_only(node):
+        return node["op"] in REGION_VIEWS and all(
+            user is not None and user["op"] == "aten::copy" and pos == 0
+            for v in outputs_of[id(node)] for user, pos in uses.get(v, []))
+
+    layout = ("sizes", "strides", "dtype")
+    writes = []
+    for o, v in enumerate(graph["outputs"]):
+        node = made_by.get(v)
+        if node is None or node["op"] not in OVERWRITES_FIRST or len(node["outputs"]) != 1 or \
+                graph["outputs"].count(v) != 1:
+            continue
+        kind, i = node["args"][0]
+        if kind != "tensor" or i >= n_inputs or \
+                any(f not in node["outputs"][0] or graph["inputs"][i][f] != node["outputs"][0][f]
+                    for f in layout):
+            continue
+        if all((user is node and pos == 0) or (user is not None and user is not node and
+                                                layout_only(user))
+               for user, pos in uses.get(i, [])):
+            writes.append((o, i))
+    return writes
 
 
 def size_sources(graph):
@@ -341,8 +407,8 @@ def constant_slots(graph):
     return slots
 
 
-def export(graph, device, values, specialized):
-    """Exports the graph, making constants of the scalar slots in \p specialized and of those
+def export(graph, device, values, specialized, writes):
+    """Exports the graph (its `writes` written into their inputs), making constants of the scalar slots in \p specialized and of those
     that control flow depends on. Returns the program, the constant slots and, per unbacked
     symbol's name, the slot it reads."""
     from torch._dynamo.exc import UserError, UserErrorType
@@ -358,7 +424,7 @@ def export(graph, device, values, specialized):
             with torch.no_grad():
                 # Guards on the sizes (a slice that must not be empty, say) become checks in
                 # the package, which fail a run outside them; the server reruns it on the plan.
-                return torch.export.export(_Module(interpreter), inputs, strict=False,
+                return torch.export.export(_Module(interpreter, writes), inputs, strict=False,
                                            dynamic_shapes=shapes,
                                            prefer_deferred_runtime_asserts_over_guards=True), \
                     specialized, interpreter.symbols
@@ -415,8 +481,9 @@ def declare_replaced_symbols():
 
 def compile_graph(job):
     """Exports and AOT-compiles the job's graph into job["package"] (atomically). Returns the
-    number of FX nodes, the (slot, value) pairs compiled as constants, and a symbolic graph's
-    ranges and ties (symbol_ranges)."""
+    number of FX nodes, the (slot, value) pairs compiled as constants, a symbolic graph's
+    ranges and ties (symbol_ranges), and the (output, input) pairs written in place
+    (written_inputs)."""
     values = job["values"]
     declare_replaced_symbols()
     # A one-row matmul (a decoding step's linear layers) becomes a multiply and a sum that
@@ -427,8 +494,9 @@ def compile_graph(job):
     out_path = job["package"]
     tmp = f"{out_path}.tmp{os.getpid()}.pt2"  # AOTInductor wants the suffix
     specialized = constant_slots(job)
+    writes = written_inputs(job)
     for _ in range(MAX_EXPORTS):
-        exported, specialized, symbols = export(job, job["device"], values, specialized)
+        exported, specialized, symbols = export(job, job["device"], values, specialized, writes)
         try:
             torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
                                                      inductor_configs=options)
@@ -450,7 +518,7 @@ def compile_graph(job):
         raise Unsupported(f"more than {MAX_EXPORTS} compiles to find the constant scalars")
     ranges, relations = symbol_ranges(job, exported)
     return (len(exported.graph.nodes), [(slot, values[slot]) for slot in sorted(specialized)],
-            ranges, relations)
+            ranges, relations, writes)
 
 
 def main(argv=None):
@@ -461,14 +529,14 @@ def main(argv=None):
     job = rgpu_compile_job.read_job(args.job)
     start = time.time()
     try:
-        fx_nodes, constants, ranges, relations = compile_graph(job)
+        fx_nodes, constants, ranges, relations, writes = compile_graph(job)
     except Exception as e:  # the server keeps the graph on the plan executor
         import traceback
         traceback.print_exc()
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         rgpu_compile_job.write_error(job["result"], f"{type(e).__name__}: {first}")
         return 1
-    rgpu_compile_job.write_ok(job["result"], constants, fx_nodes, ranges, relations)
+    rgpu_compile_job.write_ok(job["result"], constants, fx_nodes, ranges, relations, writes)
     sys.stderr.write(f"compiled {fx_nodes} FX nodes in {time.time() - start:.1f} s; "
                      f"{len(constants)} of {len(job['scalars'])} scalars compiled as constants\n")
     return 0

@@ -1423,6 +1423,7 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
         out.diskCacheHits = st.getDiskCacheHits();
         out.compiledRuns = st.getCompiledRuns();
         out.sessionCompiledRuns = st.getSessionCompiledRuns();
+        out.sessionWritesInPlace = st.getSessionWritesInPlace();
         out.connections = st.getConnections();
         out.connectionsRefused = st.getConnectionsRefused();
         out.sessionMemory = st.getSessionMemory();

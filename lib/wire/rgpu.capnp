@@ -339,6 +339,7 @@ struct ServerStats {
   resumes @32 :UInt64;             # sessions resumed on a new connection
   sessionsExpired @33 :UInt64;     # parked sessions dropped when their grace passed
   memoryKept @34 :UInt64;          # freed blocks sessions keep for their own reuse
+  sessionWritesInPlace @35 :UInt64; # compiled writes into a released input's own buffer
 }
 
 struct ServerFrame {
@@ -403,7 +404,8 @@ struct CompileResult {
       fxNodes @1 :UInt32;
       ranges @3 :List(SymbolRange);     # a symbolic graph's sizes the package holds for
       relations @4 :List(SymbolRelation); # and how export tied its symbols together
-    }
+      writes @5 :List(UInt32);          # pairs (output, input): the package writes that output
+    }                                   # into that input's buffer and does not return it
     error @2 :Text;                     # why the compile failed: the graph stays on the plan
   }
 }

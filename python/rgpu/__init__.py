@@ -230,7 +230,9 @@ def server_stats() -> dict:
     evictions: ``plan_evictions``, ``compiled_evictions``, ``disk_evictions`` and
     ``compiles_dropped`` (the queue was full).
 
-    ``session`` holds ``graph_runs``, ``compiled_runs``, ``execute_ms``, ``tensors``,
+    ``session`` holds ``graph_runs``, ``compiled_runs``, ``writes_in_place`` (compiled code
+    writing a tensor's new value into the buffer of its old one, which the program had let go:
+    a static KV cache's update), ``execute_ms``, ``tensors``,
     ``memory`` (bytes held), ``memory_peak``, ``memory_quota`` (0 for none),
     ``allocations_refused``, ``graph_bytes`` held against ``graph_budget``,
     ``graphs_forgotten``, and per graph it holds ``executor``, ``runs``, ``compiled_runs``,

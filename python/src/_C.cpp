@@ -487,6 +487,7 @@ PYBIND11_MODULE(_C, m) {
     session["execute_ms"] = st.sessionExecuteNs / 1e6;
     session["tensors"] = st.sessionTensors;
     session["compiled_runs"] = st.sessionCompiledRuns;
+    session["writes_in_place"] = st.sessionWritesInPlace;
     session["memory"] = st.sessionMemory;
     session["memory_peak"] = st.sessionMemoryPeak;
     session["memory_quota"] = st.sessionMemoryQuota;

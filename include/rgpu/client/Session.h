@@ -139,7 +139,7 @@ public:
     uint64_t sessionGraphRuns = 0, sessionExecuteNs = 0, sessionTensors = 0;
     std::string compiler;
     uint64_t inductorCompiles = 0, compilesPending = 0, compileFailures = 0, diskCacheHits = 0;
-    uint64_t compiledRuns = 0, sessionCompiledRuns = 0;
+    uint64_t compiledRuns = 0, sessionCompiledRuns = 0, sessionWritesInPlace = 0;
     uint64_t connections = 0, connectionsRefused = 0;
     uint64_t sessionMemory = 0, sessionMemoryPeak = 0, sessionMemoryQuota = 0,
              sessionMemoryRefused = 0, memoryHeld = 0, memoryKept = 0, memoryLimit = 0;
