@@ -368,24 +368,11 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       fatal = "a frame of " + std::to_string(commands.size()) + " commands, more than the limit of " +
               std::to_string(ctx_.limits().maxCommands);
     uint64_t replyData = 0;
-    FrameTail tail;
-    size_t lastRun = commands.size(), index = 0;
-    if (fatal.empty()) {
-      for (size_t k = 0; k < commands.size(); ++k)
-        if (commands[k].isRun())
-          lastRun = k;
-      for (size_t k = lastRun + 1; k < commands.size(); ++k) {
-        auto c = commands[k];
-        if (c.isRelease())
-          for (uint64_t h : c.getRelease())
-            tail.released.insert(tail.released.end(), {h, 1});
-        else if (c.isReleaseRanges() && c.getReleaseRanges().size() % 2 == 0)
-          for (uint64_t v : c.getReleaseRanges())
-            tail.released.push_back(v);
-        else if (c.isDownload())
-          tail.downloaded.push_back(c.getDownload().getHandle());
-      }
-    }
+    FrameTail tail{commands, commands.size()};
+    for (size_t k = 0; fatal.empty() && k < commands.size(); ++k)
+      if (commands[k].isRun())
+        tail.lastRun = k;
+    size_t index = 0;
     for (auto cmd : commands) {
       const size_t at = index++;
       // A connection that ended has its remaining commands dropped, unless the session waits
@@ -409,7 +396,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       case wire::Command::BYE: ended_ = true; break;
       case wire::Command::RUN: {
         std::vector<std::vector<ir::TensorMeta>> metas;
-        run(cmd.getRun(), metas, at == lastRun ? &tail : nullptr);
+        run(cmd.getRun(), metas, at == tail.lastRun ? &tail : nullptr);
         if (cmd.getRun().getReplyMetas())
           results.push_back({wire::Result::METAS, nullptr, std::move(metas[0])});
         break;
@@ -675,11 +662,21 @@ FrameOutcome Session::serve(const net::Frame &frame) {
 }
 
 bool Session::FrameTail::frees(uint64_t handle) const {
-  if (std::find(downloaded.begin(), downloaded.end(), handle) != downloaded.end())
-    return false;
-  for (size_t k = 0; k + 1 < released.size(); k += 2)
-    if (handle - released[k] < released[k + 1])
-      return true;
+  for (size_t k = lastRun + 1; k < commands.size(); ++k) {
+    auto c = commands[k];
+    if (c.isDownload() && c.getDownload().getHandle() == handle)
+      return false;
+    if (c.isRelease())
+      for (uint64_t h : c.getRelease())
+        if (h == handle)
+          return true;
+    if (c.isReleaseRanges()) {
+      auto r = c.getReleaseRanges();
+      for (size_t i = 0; i + 1 < r.size(); i += 2)
+        if (handle - r[i] < r[i + 1])
+          return true;
+    }
+  }
   return false;
 }
 

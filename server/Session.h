@@ -191,11 +191,11 @@ private:
   void hello(wire::Hello::Reader r, std::string &fatal, std::string &serverMac);
   void define(wire::Define::Reader r);
   void forget(capnp::List<wire::Hash>::Reader hashes);
-  /// What a frame does after its last Run: the handles it releases (pairs first, count) and
-  /// downloads. That Run may let its compiled code write into the buffer of an input released
-  /// there and not downloaded before (CompiledGraph::run).
+  /// A frame's commands after its last Run. That Run may let its compiled code write into the
+  /// buffer of an input they release before anything downloads it (CompiledGraph::run).
   struct FrameTail {
-    std::vector<uint64_t> released, downloaded;
+    capnp::List<wire::Command>::Reader commands;
+    size_t lastRun;
     bool frees(uint64_t handle) const;
   };
   void run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas,
