@@ -20,6 +20,7 @@
 #include <ATen/native/layer_norm.h>
 
 #include <algorithm>
+#include <functional>
 #include <unordered_map>
 #include <utility>
 
@@ -80,6 +81,26 @@ T maskedFill(CT self, CT mask, const std::optional<at::Tensor> &valueTensor) {
   return at::empty(expandedSelf->sizes(), expandedSelf->options());
 }
 T maskedFillScalar(CT self, CT mask, CS) { return maskedFill(self, mask, std::nullopt); }
+
+/// The result of CPU's `slice_scatter` and `select_scatter`: a clone of `self` (its layout where
+/// it is dense, else contiguous) whose \p region, a view of that clone, `src` must match.
+T scatterInto(CT self, CT src, const std::function<T(CT)> &region) {
+  T out = self.is_non_overlapping_and_dense()
+              ? at::empty_strided(self.sizes(), self.strides(), self.options())
+              : at::empty(self.sizes(), self.options().memory_format(self.suggest_memory_format()));
+  T view = region(out);
+  TORCH_CHECK(view.sizes() == src.sizes(),
+              "expected src to have a size equal to the slice of self. src size = ", src.sizes(),
+              ", slice size = ", view.sizes());
+  return out;
+}
+T sliceScatter(CT self, CT src, int64_t dim, std::optional<c10::SymInt> start,
+               std::optional<c10::SymInt> end, c10::SymInt step) {
+  return scatterInto(self, src, [&](CT t) { return at::slice_symint(t, dim, start, end, step); });
+}
+T selectScatter(CT self, CT src, int64_t dim, c10::SymInt index) {
+  return scatterInto(self, src, [&](CT t) { return at::select_symint(t, dim, index); });
+}
 T maskedFillTensor(CT self, CT mask, CT value) { return maskedFill(self, mask, value); }
 
 /// `arange` as CPU's composite kernel computes it: integral inputs and no dtype give int64.
@@ -361,6 +382,9 @@ Table::Table() {
   bind<T(CT, CT, OptCT, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, bool,
          c10::SymIntArrayRef, c10::SymInt),
        &convolution>("convolution", "");
+  bind<T(CT, CT, int64_t, std::optional<c10::SymInt>, std::optional<c10::SymInt>, c10::SymInt),
+       &sliceScatter>("slice_scatter", "");
+  bind<T(CT, CT, int64_t, c10::SymInt), &selectScatter>("select_scatter", "");
   bind<T(CT, CT, CS), &maskedFillScalar>("masked_fill", "Scalar");
   bind<T(CT, CT, CT), &maskedFillTensor>("masked_fill", "Tensor");
   bind<T(CS, OptDtype, OptLayout, OptDevice, OptBool), &arangeEnd>("arange", "");

@@ -202,6 +202,31 @@ def test_masked_fill():
             bad(x.to(R))
 
 
+def test_slice_and_select_scatter():
+    # A static KV cache's write: functionalization applies it as a slice_scatter (or, for an
+    # index, a select_scatter) of the whole cache, every step at a new position.
+    cache, row = randn(1, 2, 6, 3), randn(1, 2, 1, 3, seed=1)
+    for pos in (0, 3, 5):
+        agree(lambda c, r: torch.slice_scatter(c, r, 2, pos, pos + 1), cache, row)
+        agree(lambda c, r: torch.select_scatter(c, r[:, :, 0], 2, pos), cache, row)
+    agree(lambda c, r: torch.slice_scatter(c, r.expand(1, 2, 3, 3), 2, 0, 6, 2), cache, row)
+    agree(lambda c, r: torch.slice_scatter(c, r, 2, -1), cache, row)  # the last position
+    agree(lambda c, r: torch.slice_scatter(c, r[:, :, :0], 2, 2, 2), cache, row)  # empty
+    agree(lambda c, r: torch.slice_scatter(c.transpose(1, 3), r.transpose(1, 3), 2, 1, 2),
+          cache, row)  # a transposed cache keeps its layout, as CPU's clone does
+    agree(lambda c, r: torch.slice_scatter(c.expand(2, 2, 6, 3), r.expand(2, 2, 1, 3), 2, 4, 5),
+          cache, row)  # an expanded one comes out contiguous
+    agree(lambda c, r: torch.select_scatter(c[0, 0], r[0, 0, 0].to(torch.int64), 0, 1),
+          randint(1, 2, 6, 3), row)
+    for bad in (lambda c, r: torch.slice_scatter(c, r, 2, 0, 2),   # src too small
+                lambda c, r: torch.select_scatter(c, r, 2, 0)):    # src of the wrong rank
+        with pytest.raises(RuntimeError, match="expected src to have a size equal"):
+            bad(cache, row)
+        with pytest.raises(RuntimeError, match="expected src to have a size equal"):
+            bad(cache.to(R), row.to(R))
+    assert {"aten::slice_scatter", "aten::select_scatter"} <= set(_C._cpp_meta_ops())
+
+
 def test_arange():
     for args, kwargs in [((7,), {}), ((2, 9), {}), ((2.5, 9), {}), ((9, 2, -2), {}),
                          ((0, 1, 0.125), {}), ((5,), {"dtype": torch.float32}),
