@@ -1196,7 +1196,7 @@ at::Tensor &copyInto(c10::DispatchKeySet keys, at::Tensor &self, const at::Tenso
                           copied.sym_storage_offset() == self.sym_storage_offset();
   fz::replace_(self, copied);
   fz::commit_update(self);
-  if (!sameLayout) // a copy from the CPU: the view's layout comes back from its base
+  if (!sameLayout) // a copy from the CPU, say: the view's layout comes back from its base
     fz::sync(self);
   torch::autograd::impl::bump_version(self);
   return self;
