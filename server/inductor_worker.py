@@ -225,21 +225,17 @@ def written_inputs(graph):
     server's rerun on the plan reads the written buffer and still computes the same outputs."""
     n_inputs = len(graph["inputs"])
     uses = {}  # value -> [(node, argument position)], a graph output as (None, -1)
-    made_by, value = {}, n_inputs
+    made_by, outputs_of, value = {}, {}, n_inputs
     for node in graph["nodes"]:
         for pos, (kind, v) in enumerate(node["args"]):
             if kind == "tensor":
                 uses.setdefault(v, []).append((node, pos))
-        for k in range(len(node["outputs"])):
-            made_by[value + k] = node
+        outputs_of[id(node)] = range(value, value + len(node["outputs"]))
+        for v in outputs_of[id(node)]:
+            made_by[v] = node
         value += len(node["outputs"])
-    outputs_of = {}
     for v in graph["outputs"]:
         uses.setdefault(v, []).append((None, -1))
-    value = n_inputs
-    for node in graph["nodes"]:
-        outputs_of[id(node)] = range(value, value + len(node["outputs"]))
-        value += len(node["outputs"])
 
     def layout_only(node):
         return node["op"] in REGION_VIEWS and all(
@@ -408,9 +404,9 @@ def constant_slots(graph):
 
 
 def export(graph, device, values, specialized, writes):
-    """Exports the graph (its `writes` written into their inputs), making constants of the scalar slots in \p specialized and of those
-    that control flow depends on. Returns the program, the constant slots and, per unbacked
-    symbol's name, the slot it reads."""
+    """Exports the graph, writing its `writes` into their inputs and making constants of the
+    scalar slots in \p specialized and of those that control flow depends on. Returns the
+    program, the constant slots and, per unbacked symbol's name, the slot it reads."""
     from torch._dynamo.exc import UserError, UserErrorType
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
