@@ -1058,11 +1058,11 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   bool ran = false;
   if (compiled) {
     // An input the compiled code writes, released later in this frame with nothing reading it
-    // in between, is released now: its buffer can take the write (CompiledGraph::run).
+    // in between, is released now: its buffer can take the write if nothing else holds it (an
+    // input given twice holds it twice: CompiledGraph::run counts references).
     if (tail)
       for (auto [o, i] : compiled->writes())
-        if (tail->frees(handles[i]) &&
-            std::count(handles.begin(), handles.end(), handles[i]) == 1)
+        if (tail->frees(handles[i]))
           release(handles[i]);
     try {
       compiled->run(*plan, inputs, scalars, outputs, sized, &writesInPlace_);

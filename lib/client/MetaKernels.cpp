@@ -18,6 +18,7 @@
 #include <ATen/core/op_registration/infer_schema.h>
 #include <ATen/native/GroupedMMUtils.h>
 #include <ATen/native/layer_norm.h>
+#include <ATen/ops/empty_like_native.h>
 
 #include <algorithm>
 #include <functional>
@@ -82,12 +83,10 @@ T maskedFill(CT self, CT mask, const std::optional<at::Tensor> &valueTensor) {
 }
 T maskedFillScalar(CT self, CT mask, CS) { return maskedFill(self, mask, std::nullopt); }
 
-/// The result of CPU's `slice_scatter` and `select_scatter`: a clone of `self` (its layout where
-/// it is dense, else contiguous) whose \p region, a view of that clone, `src` must match.
+/// The result of CPU's `slice_scatter` and `select_scatter`: a clone of `self` (laid out as
+/// clone's `empty_like` lays it out) whose \p region, a view of that clone, `src` must match.
 T scatterInto(CT self, CT src, const std::function<T(CT)> &region) {
-  T out = self.is_non_overlapping_and_dense()
-              ? at::empty_strided(self.sizes(), self.strides(), self.options())
-              : at::empty(self.sizes(), self.options().memory_format(self.suggest_memory_format()));
+  T out = at::native::empty_like(self); // the C++ kernel: `at::empty_like` reaches Python's
   T view = region(out);
   TORCH_CHECK(view.sizes() == src.sizes(),
               "expected src to have a size equal to the slice of self. src size = ", src.sizes(),
