@@ -279,46 +279,72 @@ def test_caches_smaller_than_the_compiled_graphs_evict_and_train_the_same(tmp_pa
         server.stop()
 
 
+# Steps of a static cache written by slice, by index_copy_ and with its old value read besides
+# the write, on rgpu and on CPU; prints each kind's compiled runs and writes in place.
+CACHE_WRITES = (
+    "import json, time, torch, rgpu\n"
+    "def steps(device, how):\n"
+    "    torch.manual_seed(0)\n"
+    "    cache = torch.zeros(2, 40, 8, device=device)\n"
+    "    w, x = torch.randn(8, 8).to(device), torch.randn(2, 1, 8).to(device)\n"
+    "    seen, values = torch.zeros(1, 0, device=device), []\n"
+    "    for i in range(30):\n"
+    "        k = torch.tanh(x @ w)\n"
+    "        seen = torch.cat([seen, x[:1, :, 0]], 1)  # grows by one, as generated ids do\n"
+    "        n = seen.shape[1]\n"
+    "        old = cache.sum() if how == 'read-old' else 0\n"
+    "        if how == 'index':\n"
+    "            cache.index_copy_(1, torch.tensor([n - 1], device=device), k)\n"
+    "        else:\n"
+    "            cache[:, n - 1:n] = k\n"
+    "        att = torch.softmax(cache @ x.transpose(1, 2), 1)\n"
+    "        x = (att * cache).sum(1, keepdim=True) + old\n"
+    "        values.append(x.sum().item())\n"
+    "        if device == 'rgpu' and i in (4, 8):\n"
+    "            while rgpu.server_stats()['compiles_pending']:\n"
+    "                time.sleep(0.2)\n"
+    "    return values, cache.cpu()\n"
+    "out = {}\n"
+    "for how in ('slice', 'index', 'read-old'):\n"
+    "    before = rgpu.server_stats()['session']\n"
+    "    (got, gc), (want, wc) = steps('rgpu', how), steps('cpu', how)\n"
+    "    assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-4), (got, want)\n"
+    "    assert torch.allclose(gc, wc, rtol=1e-4, atol=1e-6)\n"
+    "    after = rgpu.server_stats()['session']\n"
+    "    out[how] = {k: after[k] - before[k] for k in ('compiled_runs', 'writes_in_place')}\n"
+    "print(json.dumps(out))\n")
+
+
 def test_compiled_cache_writes_go_into_the_released_cache_and_match_cpu(tmp_path):
     # A static KV cache's update (`cache[:, n - 1:n] = k`, or HF's index_copy_) makes a whole
     # new cache each step; compiled code writes the row into the old cache's buffer when the
     # client has let it go. Every step's value and the final caches must match the CPU's, also
     # where the old cache is read besides the write (no write in place there: a rerun of a
     # failed compiled run on the plan would read the new row).
-    code = (
-        "import json, time, torch, rgpu\n"
-        "def steps(device, how):\n"
-        "    torch.manual_seed(0)\n"
-        "    cache = torch.zeros(2, 40, 8, device=device)\n"
-        "    w, x = torch.randn(8, 8).to(device), torch.randn(2, 1, 8).to(device)\n"
-        "    seen, values = torch.zeros(1, 0, device=device), []\n"
-        "    for i in range(30):\n"
-        "        k = torch.tanh(x @ w)\n"
-        "        seen = torch.cat([seen, x[:1, :, 0]], 1)  # grows by one, as generated ids do\n"
-        "        n = seen.shape[1]\n"
-        "        old = cache.sum() if how == 'read-old' else 0\n"
-        "        if how == 'index':\n"
-        "            cache.index_copy_(1, torch.tensor([n - 1], device=device), k)\n"
-        "        else:\n"
-        "            cache[:, n - 1:n] = k\n"
-        "        att = torch.softmax(cache @ x.transpose(1, 2), 1)\n"
-        "        x = (att * cache).sum(1, keepdim=True) + old\n"
-        "        values.append(x.sum().item())\n"
-        "        if device == 'rgpu' and i in (4, 8):\n"
-        "            while rgpu.server_stats()['compiles_pending']:\n"
-        "                time.sleep(0.2)\n"
-        "    return values, cache.cpu()\n"
-        "out = {}\n"
-        "for how in ('slice', 'index', 'read-old'):\n"
-        "    before = rgpu.server_stats()['session']\n"
-        "    (got, gc), (want, wc) = steps('rgpu', how), steps('cpu', how)\n"
-        "    assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-4), (got, want)\n"
-        "    assert torch.allclose(gc, wc, rtol=1e-4, atol=1e-6)\n"
-        "    after = rgpu.server_stats()['session']\n"
-        "    out[how] = {k: after[k] - before[k] for k in ('compiled_runs', 'writes_in_place')}\n"
-        "print(json.dumps(out))\n")
+    code = CACHE_WRITES
     out = stats_on_new_server(tmp_path, code, "--compile-after", "2")
     for how in ("slice", "index", "read-old"):
         assert out[how]["compiled_runs"] >= 15, out
     assert out["slice"]["writes_in_place"] >= 10 and out["index"]["writes_in_place"] >= 10, out
     assert out["read-old"]["writes_in_place"] == 0, out
+
+
+def test_a_spec_naming_writes_the_graph_cannot_have_is_compiled_again(tmp_path):
+    # The server checks a package's writes against its graph before it loads it: a .spec that
+    # names an output or input the graph lacks is refused, and the graph compiled again.
+    sys.path.insert(0, os.path.join(REPO, "python", "rgpu", "bin"))
+    import rgpu_compile_job
+    stats_on_new_server(tmp_path, CACHE_WRITES, "--compile-after", "2")
+    specs = [os.path.join(tmp_path, "inductor", f) for f in os.listdir(tmp_path / "inductor")
+             if f.endswith(".pt2.spec")]
+    assert specs
+    for spec in specs:
+        rgpu_compile_job.write_ok(spec, [], 1, writes=[(99, 0)])
+    server = inductor_server(str(tmp_path), "--compile-after", "2")
+    try:
+        out = last_json(server, CACHE_WRITES, timeout=600)
+        log = "".join(server.log)
+    finally:
+        server.stop()
+    assert "names writes the graph cannot have; compiling it again" in log, log
+    assert out["slice"]["writes_in_place"] >= 10, out
