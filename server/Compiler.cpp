@@ -127,6 +127,31 @@ std::string readResult(const std::string &path, Specialization *spec = nullptr) 
   }
 }
 
+/// The whole of the file at \p path; empty if it cannot be read.
+std::string readFile(const std::string &path) {
+  std::string out;
+  if (FILE *f = std::fopen(path.c_str(), "rb")) {
+    char buf[1 << 16];
+    for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;)
+      out.append(buf, n);
+    std::fclose(f);
+  }
+  return out;
+}
+
+/// Writes \p bytes to \p path whole (a temporary file, then renamed); "" or what went wrong.
+std::string writeFile(const std::string &path, const std::string &bytes) {
+  std::string tmp = path + ".tmp" + std::to_string(getpid());
+  FILE *f = std::fopen(tmp.c_str(), "wb");
+  bool ok = f && std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+  ok = f && std::fclose(f) == 0 && ok;
+  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    return "cannot write " + path;
+  }
+  return "";
+}
+
 /// Removes temporary files (`NAME.tmpPID...`) whose writer is no longer running.
 void sweepTemporaries(const std::string &dir) {
   std::error_code ec;
@@ -143,10 +168,24 @@ void sweepTemporaries(const std::string &dir) {
 } // namespace
 
 CompiledGraph::CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
-                             Specialization spec)
-    : loader_(std::move(loader)), spec_(std::move(spec)) {}
+                             Specialization spec, std::string record,
+                             const std::shared_ptr<const Plan> &plan)
+    : loader_(std::move(loader)), spec_(std::move(spec)), record_(std::move(record)),
+      inputs_(plan->graph().inputs.begin(), plan->graph().inputs.end()), verified_(plan) {}
 
 CompiledGraph::~CompiledGraph() = default;
+
+bool CompiledGraph::compiledFrom(const std::shared_ptr<const Plan> &plan) const {
+  std::lock_guard<std::mutex> lock(verifiedMu_);
+  // Owner comparison: an expired plan's control block lives on with this weak reference, so a
+  // new plan can never compare equal to it.
+  if (!verified_.owner_before(plan) && !plan.owner_before(verified_))
+    return true;
+  if (ir::canonicalBytes(plan->graph()) != record_)
+    return false;
+  verified_ = plan;
+  return true;
+}
 
 bool CompiledGraph::accepts(const Plan &plan, llvm::ArrayRef<ir::ScalarValue> scalars,
                             llvm::ArrayRef<int64_t> symbols,
@@ -196,6 +235,21 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
                         const Shapes *shapes, uint64_t *inPlace) const {
   const ir::Graph &g = plan.graph();
   std::vector<const ir::TensorMeta *> metas = shapes ? shapes->metas : g.valueMetas();
+  // The buffers must be what the package was compiled for (the session restrides each input
+  // to its graph's meta; this holds that graph to the package's record).
+  if (inputs.size() != inputs_.size())
+    throw std::runtime_error("the compiled graph takes " + std::to_string(inputs_.size()) +
+                             " inputs, the run gives " + std::to_string(inputs.size()));
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    const at::Tensor &t = inputs[k].tensor;
+    const ir::TensorMeta &m = *metas[k];
+    if (!t.defined() || t.scalar_type() != bridge::scalarType(inputs_[k].dtype) ||
+        size_t(t.dim()) != inputs_[k].sizes.size() || t.sizes() != c10::IntArrayRef(m.sizes) ||
+        t.strides() != c10::IntArrayRef(m.strides) ||
+        (!shapes && (m.sizes != inputs_[k].sizes || m.strides != inputs_[k].strides)))
+      throw std::runtime_error("input " + std::to_string(k) + " is not the compiled graph's " +
+                               inputs_[k].str());
+  }
   // A small run spends more waking OpenMP's team than computing (see docs/architecture.md,
   // "Threads of a run").
   bool small = true;
@@ -291,6 +345,9 @@ Compiler::Compiler(CompilerOptions options, at::Device device)
   std::string key = "torch " + bridge::torchVersion() + "|" + device_.str() + "|" + options_.mode + "|" +
                     kWorkerFormat;
   key_ = hex64(llvm::xxHash64(llvm::StringRef(key)));
+  // Every package checks the dtype, sizes, strides and device of its inputs at each run
+  // (AOTInductor generates the checks and reads this once, at a package's first run).
+  setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 1);
   std::error_code ec;
   fs::create_directories(options_.cacheDir + "/inductor", ec);
   sweepTemporaries(options_.cacheDir + "/inductor");
@@ -316,7 +373,7 @@ void Compiler::shutdown() {
   sweepTemporaries(options_.cacheDir + "/inductor");
 }
 
-std::string Compiler::stem(const ir::Hash128 &hash) const {
+std::string Compiler::stem(const ir::Hash256 &hash) const {
   return options_.cacheDir + "/inductor/" + hash.hex() + "-" + key_;
 }
 
@@ -332,7 +389,10 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
   GraphState &g = graphs_[plan->hash];
   g.lastUse = ++tick_;
   switch (g.state) {
-  case State::Ready: return g.compiled->accepts(*plan, scalars, symbols, inputs) ? g.compiled : nullptr;
+  case State::Ready:
+    return g.compiled->compiledFrom(plan) && g.compiled->accepts(*plan, scalars, symbols, inputs)
+               ? g.compiled
+               : nullptr;
   case State::Counting:
     // Random ops draw from the session's generator, which compiled code cannot reach; some ops
     // are safe only on the plan (policy::compilable); CPU stand-ins run only on the plan.
@@ -364,7 +424,7 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
   }
 }
 
-void Compiler::prefer(const ir::Hash128 &hash, const std::string &executor) {
+void Compiler::prefer(const ir::Hash256 &hash, const std::string &executor) {
   std::lock_guard<std::mutex> lock(mu_);
   GraphState &g = graphs_[hash];
   if (g.state != State::Counting)
@@ -375,7 +435,7 @@ void Compiler::prefer(const ir::Hash128 &hash, const std::string &executor) {
     g.after = 1;
 }
 
-std::string Compiler::executorOf(const ir::Hash128 &hash) {
+std::string Compiler::executorOf(const ir::Hash256 &hash) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = graphs_.find(hash);
   if (it == graphs_.end())
@@ -416,7 +476,7 @@ void Compiler::work() {
   }
 }
 
-void Compiler::unloadPastLimit(const ir::Hash128 &keep) {
+void Compiler::unloadPastLimit(const ir::Hash256 &keep) {
   while (loadedBytes_ > options_.memoryBytes) {
     auto victim = graphs_.end();
     for (auto it = graphs_.begin(); it != graphs_.end(); ++it)
@@ -476,7 +536,7 @@ void Compiler::trimDisk(const std::string &keep) {
       continue;
     std::string stem = f.path.string();
     stem.resize(stem.size() - 4);
-    for (const char *ext : {".pt2", ".pt2.spec", ".log"}) {
+    for (const char *ext : {".pt2", ".pt2.spec", ".pt2.graph", ".log"}) {
       uint64_t bytes = fs::file_size(stem + ext, ec);
       if (!ec && fs::remove(stem + ext, ec))
         total -= std::min(total, bytes);
@@ -488,11 +548,16 @@ void Compiler::trimDisk(const std::string &keep) {
 }
 
 std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string &error) {
-  const ir::Hash128 &hash = job.plan->hash;
+  const ir::Hash256 &hash = job.plan->hash;
   std::string name = "graph " + hash.hex().substr(0, 12);
   std::string base = stem(hash), package = base + ".pt2", failed = base + ".failed";
   size_t nodes = job.plan->graph().nodes.size();
   auto load = [&]() -> std::shared_ptr<const CompiledGraph> {
+    std::string record = ir::canonicalBytes(job.plan->graph());
+    if (readFile(package + ".graph") != record) {
+      error = "its package records another graph (or none)";
+      return nullptr;
+    }
     Specialization spec;
     if (std::string e = readResult(package + ".spec", &spec); !e.empty()) {
       error = "its package has no readable .spec file (" + e + ")";
@@ -512,7 +577,8 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
     try {
       auto loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
           package, "model", false, 1, device_.is_cuda() ? device_.index() : -1);
-      return std::make_shared<CompiledGraph>(std::move(loader), std::move(spec));
+      return std::make_shared<CompiledGraph>(std::move(loader), std::move(spec),
+                                             std::move(record), job.plan);
     } catch (const std::exception &e) {
       const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
       error = std::string("loading its package failed: ") +
@@ -619,6 +685,12 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
   }
   fs::rename(resultPath, package + ".spec", ec);
   fs::remove(base + ".log", ec);
+  if (std::string e = writeFile(package + ".graph", ir::canonicalBytes(job.plan->graph()));
+      !e.empty()) {
+    error = e;
+    log(name + ": " + error);
+    return nullptr;
+  }
   std::shared_ptr<const CompiledGraph> compiled = load();
   if (!compiled) {
     log(name + ": " + error);

@@ -12,7 +12,9 @@
 // Compiled packages live in the cache directory, named by the graph hash and a key of everything
 // else that shapes the artifact (torch version, device, mode, worker format), so a restarted
 // server loads what it compiled before instead of compiling again, and never loads an artifact
-// built for another torch or device. Files appear only by rename; a compile cut short by a
+// built for another torch or device. Beside each package, `.pt2.graph` records the canonical
+// bytes of the graph it was compiled from: a package runs only for a plan of that very graph,
+// with inputs of the recorded metas, and AOTInductor checks its inputs as well. Files appear only by rename; a compile cut short by a
 // shutdown leaves at most a temporary file, which is removed (or swept at the next start).
 //
 // Some scalars of a graph are compiled as constants (those that Inductor's decompositions branch
@@ -79,9 +81,16 @@ struct Specialization {
 /// A graph compiled by AOTInductor, ready to run.
 class CompiledGraph {
 public:
+  /// \p record is the canonical bytes (ir::canonicalBytes) of the graph the package was
+  /// compiled from, \p plan a plan of that graph.
   CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
-                Specialization spec);
+                Specialization spec, std::string record, const std::shared_ptr<const Plan> &plan);
   ~CompiledGraph();
+
+  /// True if \p plan runs the graph this package was compiled from: its canonical bytes are
+  /// the record. A package is found by its graph's hash; this check does not rest on the hash.
+  /// The last plan that passed is remembered, so a steady run compares nothing.
+  bool compiledFrom(const std::shared_ptr<const Plan> &plan) const;
 
   /// True if \p scalars agree with the values this package was specialized on and, for a
   /// symbolic plan, the run is one the package was exported for (see acceptsSizes).
@@ -109,6 +118,12 @@ private:
 
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
   Specialization spec_;
+  std::string record_;
+  /// The recorded graph's input metas (0 where a symbolic graph has a symbol): every run's
+  /// inputs are checked against them before the package sees a buffer.
+  std::vector<ir::TensorMeta> inputs_;
+  mutable std::mutex verifiedMu_;
+  mutable std::weak_ptr<const Plan> verified_; ///< compared by owner, never dereferenced
   /// Scalar tensors of earlier runs, refilled by later ones: making them anew took about a
   /// tenth of a decoding step's run. One set per run in flight.
   mutable std::mutex scalarsMu_;
@@ -130,9 +145,9 @@ public:
                                               const std::vector<Entry> &inputs, bool &queued);
   /// Follows a client's executor hint for a graph before its first run: "inductor" compiles it
   /// on its first run, "plan" never.
-  void prefer(const ir::Hash128 &hash, const std::string &executor);
+  void prefer(const ir::Hash256 &hash, const std::string &executor);
   /// "inductor", "inductor (compiling)", "inductor (failed)" or "plan" for one graph.
-  std::string executorOf(const ir::Hash128 &hash);
+  std::string executorOf(const ir::Hash256 &hash);
 
   /// Stops: kills running compiles and removes their temporary files. Idempotent.
   void shutdown();
@@ -161,9 +176,9 @@ private:
   std::shared_ptr<const CompiledGraph> build(const Job &job, std::string &error);
   /// Runs the worker process; returns its exit status (-1 if it could not start or was killed).
   int spawnWorker(const std::vector<std::string> &argv, const std::string &logPath);
-  std::string stem(const ir::Hash128 &hash) const;
+  std::string stem(const ir::Hash256 &hash) const;
   /// Unloads the least recently run packages until those loaded fit memoryBytes. Under mu_.
-  void unloadPastLimit(const ir::Hash128 &keep);
+  void unloadPastLimit(const ir::Hash256 &keep);
   /// Forgets the states of graphs not run for long, so the table stays bounded. Under mu_.
   void pruneStates();
   /// Deletes the least recently used packages until the cache directory fits diskBytes.
@@ -175,7 +190,7 @@ private:
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> queue_;
-  std::map<ir::Hash128, GraphState> graphs_;
+  std::map<ir::Hash256, GraphState> graphs_;
   uint64_t tick_ = 0, loadedBytes_ = 0;
   std::set<int> children_;
   bool stopping_ = false;

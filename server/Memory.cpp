@@ -105,6 +105,40 @@ Header *headerOf(void *data) {
   return reinterpret_cast<Header *>(static_cast<char *>(data) - kHeaderBytes);
 }
 
+/// Charges \p n bytes to the server and to \p account (if any); throws OutOfMemoryError,
+/// charging nothing, past the server's limit or the account's quota.
+void chargeOrThrow(Account *account, uint64_t n) {
+  uint64_t total = gHeld.fetch_add(n) + n;
+  if (uint64_t limit = gLimit.load(); limit && total > limit) {
+    gHeld -= n;
+    if (account)
+      ++account->refused;
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "allocating ", sizeText(n),
+                     " would take rgpu-opserver past its memory limit of ", sizeText(limit),
+                     " (--memory-limit; ", sizeText(total - n), " are held by all sessions)");
+  }
+  if (account && account->quota) {
+    uint64_t mine = account->held.fetch_add(n) + n;
+    if (mine > account->quota) {
+      account->held -= n;
+      gHeld -= n;
+      ++account->refused;
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "allocating ", sizeText(n),
+                       " would take this session past its memory quota of ",
+                       sizeText(account->quota), " (--session-memory; it holds ",
+                       sizeText(mine - n), ")");
+    }
+  } else if (account) {
+    account->held += n;
+  }
+}
+
+void creditBytes(Account *account, uint64_t n) {
+  gHeld -= n;
+  if (account)
+    account->held -= n;
+}
+
 /// In front of the CPU allocator. Its DataPtrs are simple (context == data, so raw_allocate
 /// works); what a block was charged to is in its header.
 class AccountingAllocator final : public c10::Allocator {
@@ -115,30 +149,7 @@ public:
     if (n == 0) // as c10's CPU allocator: no data, which raw_deallocate hands back as null
       return {nullptr, nullptr, &AccountingAllocator::free, c10::Device(c10::kCPU)};
     const std::shared_ptr<Account> *account = tCurrent;
-    uint64_t total = gHeld.fetch_add(n) + n;
-    if (uint64_t limit = gLimit.load(); limit && total > limit) {
-      gHeld -= n;
-      if (account)
-        ++(*account)->refused;
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "allocating ", sizeText(n),
-                       " would take rgpu-opserver past its memory limit of ", sizeText(limit),
-                       " (--memory-limit; ", sizeText(total - n), " are held by all sessions)");
-    }
-    if (account && (*account)->quota) {
-      Account &a = **account;
-      uint64_t mine = a.held.fetch_add(n) + n;
-      if (mine > a.quota) {
-        a.held -= n;
-        gHeld -= n;
-        ++a.refused;
-        TORCH_CHECK_WITH(OutOfMemoryError, false, "allocating ", sizeText(n),
-                         " would take this session past its memory quota of ",
-                         sizeText(a.quota), " (--session-memory; it holds ",
-                         sizeText(mine - n), ")");
-      }
-    } else if (account) {
-      (*account)->held += n;
-    }
+    chargeOrThrow(account ? account->get() : nullptr, n);
     Block block{};
     if (!account || !(*account)->kept->take(n, block)) {
       c10::DataPtr inner;
@@ -149,7 +160,7 @@ public:
       }
       if (!inner) {
         // Named in the tensor's bytes, not the block's with its header.
-        credit(account ? account->get() : nullptr, n);
+        creditBytes(account ? account->get() : nullptr, n);
         TORCH_CHECK_WITH(OutOfMemoryError, false, "rgpu-opserver can't allocate memory: ",
                          n, " bytes (", sizeText(n), ") were refused by the system");
       }
@@ -172,12 +183,6 @@ public:
   }
 
 private:
-  static void credit(Account *account, uint64_t n) {
-    gHeld -= n;
-    if (account)
-      account->held -= n;
-  }
-
   static void free(void *data) {
     if (!data) // raw_deallocate(nullptr), as oneDNN's buffers do
       return;
@@ -186,7 +191,7 @@ private:
     const Block block{data, h->context, h->deleter};
     const uint64_t bytes = h->bytes;
     h->~Header();
-    credit(account.get(), bytes);
+    creditBytes(account.get(), bytes);
     if (!account || !account->kept->keep(bytes, block))
       release(block);
   }
@@ -205,6 +210,13 @@ void install(uint64_t limit) {
     c10::SetAllocator(c10::kCPU, accounting, /*priority=*/UINT8_MAX);
   });
 }
+
+void charge(Account &account, uint64_t bytes) {
+  chargeOrThrow(&account, bytes);
+  raisePeak(gPeak, gHeld.load());
+  raisePeak(account.peak, account.held.load());
+}
+void credit(Account &account, uint64_t bytes) { creditBytes(&account, bytes); }
 
 uint64_t limit() { return gLimit; }
 uint64_t held() { return gHeld; }

@@ -128,6 +128,21 @@ void callWithSessionGenerator(const c10::OperatorHandle &op, torch::jit::Stack &
   global.set_state(saved);
 }
 
+/// Runs `resize` or `_resize_output`, then zeroes the bytes of its result's storage past its
+/// input's: the kernel copies the input's bytes into a larger storage and leaves the rest as
+/// the allocator gave it, which on CUDA is memory another session may have written.
+void callZeroingGrowth(const c10::OperatorHandle &op, torch::jit::Stack &stack) {
+  const at::Tensor &self = stack.front().toTensor();
+  const int64_t kept = self.numel() * int64_t(self.element_size());
+  op.callBoxed(stack);
+  const at::Tensor &out = stack.front().toTensor();
+  const int64_t total = int64_t(out.storage().nbytes());
+  if (total <= kept)
+    return;
+  at::Tensor bytes = at::empty({0}, out.options().dtype(at::kByte)).set_(out.storage());
+  bytes.narrow(0, kept, total - kept).zero_();
+}
+
 /// Where in ctx.devices a step runs: on the device its Device argument names (\p named, -1 if
 /// none), else on its first tensor operand's, else on rgpu:0.
 size_t deviceOf(int32_t named, const torch::jit::Stack &stack, const RunContext &ctx) {
@@ -291,6 +306,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
                              });
   llvm::StringRef bare = base.drop_front(6); // after "aten::"
   step.zeroFill = bare.startswith("empty") || bare.startswith("new_empty");
+  step.zeroGrown = policy::growsStorage(base);
   step.op = runnable(name, *handle);
 
   step.schema = *handle;
@@ -698,6 +714,8 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
           callWithSessionGenerator(*step.op, stack, ctx.devices[d], ctx.generators[d]);
         } else if (step.cpuStandIn && ctx.devices[0].is_cpu())
           step.cpuStandIn(*step.op, stack);
+        else if (step.zeroGrown)
+          callZeroingGrowth(*step.op, stack);
         else
           step.op->callBoxed(stack);
         uint32_t out = step.firstOutput;

@@ -32,7 +32,7 @@ namespace rgpu::server {
 /// Why a value could not be computed: the failing aten op, its message and the user's line.
 struct RemoteError {
   std::string op, message, location;
-  ir::Hash128 graph;
+  ir::Hash256 graph;
   uint32_t node = 0;
   std::string pythonType; ///< wire::Error.pythonType: pythonTypeOf() the exception
 };
@@ -103,7 +103,7 @@ public:
   bool compilable() const { return compilable_; }
   /// True if some node runs a stand-in on a CPU device, which compiled code would not call.
   bool hasCpuStandIns() const { return cpuStandIns_; }
-  ir::Hash128 hash;
+  ir::Hash256 hash;
   uint64_t buildNs = 0; ///< Time spent verifying the graph and building this plan.
   uint64_t bytes = 0;   ///< ir::graphBytes of its graph: what holding it costs a session.
   /// False for the plan of a graph whose hash another graph already held: it belongs to the
@@ -146,6 +146,7 @@ private:
     /// An op of the `empty` family: its outputs are zero-filled, so no session ever reads
     /// bytes that it did not write (memory is reused across sessions).
     bool zeroFill = false;
+    bool zeroGrown = false; ///< policy::growsStorage: see callZeroingGrowth.
     /// Norm backward ops whose CPU kernels take their saved statistics in the input's dtype:
     /// the slots of those statistics, and of the input whose dtype they get (see Plan.cpp).
     std::vector<uint32_t> statSlots;

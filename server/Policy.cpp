@@ -198,9 +198,15 @@ std::string admit(llvm::StringRef fullName) {
   return it->second;
 }
 
+bool growsStorage(llvm::StringRef base) {
+  return base == "aten::resize" || base == "aten::_resize_output";
+}
+
 bool compilable(llvm::StringRef base) {
-  // A collective waits on the other servers of its group: it runs on the plan.
-  return base.startswith("aten::") && !uncheckedOnceCompiled(base.drop_front(6));
+  // A collective waits on the other servers of its group: it runs on the plan. A resize's
+  // grown part is zeroed by the plan (growsStorage), which compiled code would not do.
+  return base.startswith("aten::") && !uncheckedOnceCompiled(base.drop_front(6)) &&
+         !growsStorage(base);
 }
 
 std::string checkConstant(llvm::StringRef base, const c10::Argument &arg, bridge::ArgType type,

@@ -30,6 +30,10 @@ bool isCollective(llvm::StringRef fullName);
 /// executor): `_unsafe_index` and friends, whose eager kernels check their indices and whose
 /// compiled code, by their contract, does not.
 bool compilable(llvm::StringRef base);
+/// True for the ops that grow their result's storage past the bytes of their input
+/// (`resize`, `_resize_output`): the allocator leaves the grown bytes as it found them (CUDA's
+/// caching allocator holds other sessions' data), so the plan zeroes them.
+bool growsStorage(llvm::StringRef base);
 
 /// Checks the value of a constant argument \p a of type \p type: ScalarType, Layout and
 /// MemoryFormat in range, strings from the op's table, strides non-negative. \p str is the

@@ -39,7 +39,7 @@ size_t Context::graphsCached() {
   return live;
 }
 
-std::shared_ptr<const Plan> Context::find(const ir::Hash128 &hash) {
+std::shared_ptr<const Plan> Context::find(const ir::Hash256 &hash) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = plans_.find(hash);
   std::shared_ptr<const Plan> plan = it == plans_.end() ? nullptr : it->second.lock();
@@ -73,15 +73,34 @@ void Context::keep(const std::shared_ptr<const Plan> &plan) {
 
 Context::~Context() = default;
 
-void Context::activate(const std::string &id, uint64_t connId) {
+void Context::activate(const std::string &id, uint64_t connId, const std::string &principal) {
   std::lock_guard<std::mutex> lock(parkMu_);
-  active_[id] = connId;
+  active_[id] = {connId, principal};
 }
 
 void Context::deactivate(const std::string &id) {
+  {
+    std::lock_guard<std::mutex> lock(parkMu_);
+    active_.erase(id);
+  }
+  if (wakeDeferred)
+    wakeDeferred();
+}
+
+bool Context::reserveTakeover(const std::string &principal) {
   std::lock_guard<std::mutex> lock(parkMu_);
-  active_.erase(id);
-  parkCv_.notify_all();
+  size_t &n = pendingTakeovers_[principal];
+  if (n >= kMaxPendingTakeovers)
+    return false;
+  ++n;
+  return true;
+}
+
+void Context::releaseTakeover(const std::string &principal) {
+  std::lock_guard<std::mutex> lock(parkMu_);
+  auto it = pendingTakeovers_.find(principal);
+  if (it != pendingTakeovers_.end() && --it->second == 0)
+    pendingTakeovers_.erase(it);
 }
 
 void Context::loseDevice(const std::string &why) {
@@ -118,20 +137,29 @@ void Context::park(std::unique_ptr<Session> session) {
       parked_.erase(oldest);
     }
   }
-  parkCv_.notify_all();
+  if (wakeDeferred)
+    wakeDeferred();
 }
 
-std::unique_ptr<Session> Context::takeParked(const std::string &id, const std::string &principal) {
-  std::unique_lock<std::mutex> lock(parkMu_);
-  if (auto it = active_.find(id); it != active_.end() && closeConnection)
-    closeConnection(it->second); // the old connection is dead to its client: take it over
-  parkCv_.wait_for(lock, std::chrono::seconds(30), [&] { return !active_.count(id); });
+Context::Takeover Context::takeParked(const std::string &id, const std::string &principal,
+                                      std::unique_ptr<Session> &out) {
+  std::lock_guard<std::mutex> lock(parkMu_);
+  if (auto it = active_.find(id); it != active_.end()) {
+    // Who may have it is checked before its connection is touched.
+    if (it->second.principal != principal)
+      return Takeover::Absent;
+    if (!it->second.closing && closeConnection) {
+      it->second.closing = true;
+      closeConnection(it->second.connId); // dead to its client: take it over once parked
+    }
+    return Takeover::Wait;
+  }
   auto it = parked_.find(id);
   if (it == parked_.end() || it->second.session->principal() != principal)
-    return nullptr;
-  std::unique_ptr<Session> session = std::move(it->second.session);
+    return Takeover::Absent;
+  out = std::move(it->second.session);
   parked_.erase(it);
-  return session;
+  return Takeover::Taken;
 }
 
 size_t Context::expireParked() {
@@ -180,7 +208,7 @@ std::vector<uint64_t> Context::sessionMemories() {
   return held;
 }
 
-std::shared_ptr<const Plan> Context::define(const ir::Hash128 &hash, ir::Graph graph,
+std::shared_ptr<const Plan> Context::define(const ir::Hash256 &hash, ir::Graph graph,
                                             std::string &error) {
   if (ir::hashGraph(graph) != hash) {
     error = "the graph does not match its hash " + hash.hex();
@@ -255,6 +283,9 @@ Session::Session(Context &ctx, std::string peer, Admission admission,
 }
 
 Session::~Session() {
+  if (holdsTakeover_)
+    ctx_.releaseTakeover(principal());
+  memory::credit(*account_, tensors_.size() * kHandleBytes);
   --ctx_.sessions;
   if (counted_)
     --ctx_.greetedSessions;
@@ -390,6 +421,11 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       case wire::Command::HELLO:
         results.push_back({wire::Result::HELLO, nullptr, {}});
         hello(cmd.getHello(), fatal, serverMac);
+        if (deferHello_) {
+          deferHello_ = false;
+          outcome.deferred = true;
+          return outcome;
+        }
         break;
       case wire::Command::DEFINE: define(cmd.getDefine()); break;
       case wire::Command::FORGET: forget(cmd.getForget()); break;
@@ -680,8 +716,31 @@ bool Session::FrameTail::frees(uint64_t handle) const {
   return false;
 }
 
+void Session::bind(uint64_t handle, Entry e) {
+  auto [it, fresh] = tensors_.try_emplace(handle);
+  if (fresh) {
+    // Every handle is charged, a poisoned one too: a Run of a graph the session lacks binds
+    // thousands of them for a few bytes of frame.
+    try {
+      if (tensors_.size() > ctx_.budgets.maxHandles)
+        throw std::runtime_error("it holds " + std::to_string(ctx_.budgets.maxHandles) +
+                                 " tensor handles, the most a session may (--max-handles)");
+      memory::charge(*account_, kHandleBytes);
+    } catch (const std::exception &ex) {
+      tensors_.erase(it);
+      const c10::Error *ce = dynamic_cast<const c10::Error *>(&ex);
+      throw std::runtime_error("binding tensor handle " + std::to_string(handle) + ": " +
+                               (ce ? ce->what_without_backtrace() : ex.what()));
+    }
+  }
+  it->second = std::move(e);
+  if (handle == stagedHandle_)
+    staged_ = at::Tensor();
+}
+
 void Session::release(uint64_t handle) {
-  tensors_.erase(handle);
+  if (tensors_.erase(handle))
+    memory::credit(*account_, kHandleBytes);
   if (handle == stagedHandle_)
     staged_ = at::Tensor();
 }
@@ -835,7 +894,28 @@ void Session::hello(wire::Hello::Reader r, std::string &fatal, std::string &serv
       id_ = id;
     } else {
       resumeFrom_ = r.getResumeFrom();
-      if ((adopted_ = ctx_.takeParked(id, principal())))
+      auto now = std::chrono::steady_clock::now();
+      Context::Takeover t = deferredSince_ && now - *deferredSince_ > kTakeoverWait
+                                ? Context::Takeover::Absent
+                                : ctx_.takeParked(id, principal(), adopted_);
+      if (t == Context::Takeover::Wait && !holdsTakeover_) {
+        holdsTakeover_ = ctx_.reserveTakeover(principal());
+        deferredSince_ = now;
+        if (!holdsTakeover_) {
+          log(peer_ + ": " + std::to_string(Context::kMaxPendingTakeovers) +
+              " resumes of its principal are waiting already; this one is not resumed");
+          t = Context::Takeover::Absent;
+        }
+      }
+      if (t == Context::Takeover::Wait) {
+        deferHello_ = true; // served again once the session it takes over is parked
+        return;
+      }
+      if (holdsTakeover_) {
+        ctx_.releaseTakeover(principal());
+        holdsTakeover_ = false;
+      }
+      if (t == Context::Takeover::Taken)
         return; // this session only answered the Hello; the one it found goes on
       // Answered "not resumed" (the client then says the session is lost), and not resumable.
       log(peer_ + ": asked to resume a session this server does not hold");
@@ -851,7 +931,7 @@ void Session::hello(wire::Hello::Reader r, std::string &fatal, std::string &serv
 }
 
 void Session::define(wire::Define::Reader r) {
-  ir::Hash128 hash = wire::decodeHash(r.getHash());
+  ir::Hash256 hash = wire::decodeHash(r.getHash());
   if (defined_.count(hash))
     return;
   ir::Graph graph;
@@ -888,7 +968,7 @@ void Session::define(wire::Define::Reader r) {
 
 void Session::forget(capnp::List<wire::Hash>::Reader hashes) {
   for (auto h : hashes) {
-    ir::Hash128 hash = wire::decodeHash(h);
+    ir::Hash256 hash = wire::decodeHash(h);
     auto it = defined_.find(hash);
     if (it == defined_.end())
       continue;
@@ -900,7 +980,7 @@ void Session::forget(capnp::List<wire::Hash>::Reader hashes) {
   }
 }
 
-std::string Session::runArgs(wire::Run::Reader r, const ir::Hash128 &hash, const ir::Graph &g,
+std::string Session::runArgs(wire::Run::Reader r, const ir::Hash256 &hash, const ir::Graph &g,
                              std::vector<uint64_t> &inputs,
                              llvm::SmallVectorImpl<ir::ScalarValue> &scalars) {
   auto table = r.getScalars();
@@ -953,7 +1033,7 @@ std::string Session::runArgs(wire::Run::Reader r, const ir::Hash128 &hash, const
 void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> &metas,
                   const FrameTail *tail) {
   metas.assign(1, {});
-  ir::Hash128 hash = wire::decodeHash(r.getHash());
+  ir::Hash256 hash = wire::decodeHash(r.getHash());
   // Only graphs this session defined: a Run cannot learn whether another session defined one.
   auto defined = defined_.find(hash);
   std::shared_ptr<const Plan> plan = defined == defined_.end() ? nullptr : defined->second;

@@ -35,6 +35,7 @@ struct Budgets {
   uint64_t sessionMemory = 0;              ///< --session-memory; 0: none
   uint64_t graphMemory = uint64_t(64) << 20; ///< --graph-memory: graphs one session holds
   uint64_t planCache = uint64_t(256) << 20;  ///< --plan-cache: plans kept once unheld
+  uint64_t maxHandles = uint64_t(1) << 20;   ///< --max-handles: tensor handles one session binds
 };
 
 class Session;
@@ -58,11 +59,11 @@ public:
   Compiler *compiler() const { return compiler_.get(); }
 
   /// The shared plan for \p hash, or null if no session has defined it.
-  std::shared_ptr<const Plan> find(const ir::Hash128 &hash);
+  std::shared_ptr<const Plan> find(const ir::Hash256 &hash);
   /// Verifies \p graph (\p hash must be its own hash) and returns its plan: the shared one if
   /// a session defined the same graph before, else a new one, cached for every session unless
   /// another graph already holds the hash (then it is private to the caller, see Plan::shared).
-  std::shared_ptr<const Plan> define(const ir::Hash128 &hash, ir::Graph graph, std::string &error);
+  std::shared_ptr<const Plan> define(const ir::Hash256 &hash, ir::Graph graph, std::string &error);
 
   Budgets budgets;
   /// Where a job's rendezvous store listens when a session hosts it (--store-host).
@@ -72,16 +73,28 @@ public:
   /// sessionGraceMs; a Hello asking to resume it (with the same kind of authentication) takes
   /// it back. One still attached to a connection (the server has not seen the old connection
   /// end) is taken over: that connection is closed (closeConnection, set by the I/O loop's
-  /// owner) and the session parked first.
+  /// owner) and the Hello waits, off the worker pool, for the session to be parked (its frame
+  /// is deferred and served again at wakeDeferred).
   uint64_t sessionGraceMs = 120000;
   std::string instance; ///< 8 random bytes for this process
   std::function<void(uint64_t connId)> closeConnection;
-  void activate(const std::string &id, uint64_t connId);
+  /// Serves deferred frames again: set by the I/O loop's owner, called when a session is
+  /// parked or ends.
+  std::function<void()> wakeDeferred;
+  void activate(const std::string &id, uint64_t connId, const std::string &principal);
   void deactivate(const std::string &id);
   void park(std::unique_ptr<Session> session);
-  /// The parked session \p id if \p principal may have it, waiting a few seconds for one
-  /// still attached to be parked; null if there is none.
-  std::unique_ptr<Session> takeParked(const std::string &id, const std::string &principal);
+  enum class Takeover { Taken, Absent, Wait };
+  /// Takes the parked session \p id into \p out if \p principal may have it (Taken). One
+  /// still attached to a connection of the same principal has that connection closed, and
+  /// the caller is to ask again once it is parked (Wait); a session of another principal is
+  /// never touched (Absent).
+  Takeover takeParked(const std::string &id, const std::string &principal,
+                      std::unique_ptr<Session> &out);
+  /// Takeovers one principal may have waiting at once; reserveTakeover is false past it.
+  static constexpr size_t kMaxPendingTakeovers = 4;
+  bool reserveTakeover(const std::string &principal);
+  void releaseTakeover(const std::string &principal);
   /// Drops parked sessions whose grace has passed; returns how many.
   size_t expireParked();
   size_t sessionsParked();
@@ -116,10 +129,10 @@ private:
   std::string lostWhy_;
   std::mutex mu_;
   /// Every plan some session or the cache holds (under mu_).
-  std::map<ir::Hash128, std::weak_ptr<const Plan>> plans_;
+  std::map<ir::Hash256, std::weak_ptr<const Plan>> plans_;
   /// The cache: most recently defined first, with the bytes it holds (under mu_).
   std::list<std::shared_ptr<const Plan>> recent_;
-  std::map<ir::Hash128, std::list<std::shared_ptr<const Plan>>::iterator> recentIndex_;
+  std::map<ir::Hash256, std::list<std::shared_ptr<const Plan>>::iterator> recentIndex_;
   uint64_t recentBytes_ = 0;
   size_t sweptAt_ = 0;
   void keep(const std::shared_ptr<const Plan> &plan); // under mu_
@@ -130,9 +143,14 @@ private:
     std::chrono::steady_clock::time_point deadline;
   };
   std::mutex parkMu_;
-  std::condition_variable parkCv_;
   std::map<std::string, Parked> parked_;      ///< under parkMu_
-  std::map<std::string, uint64_t> active_;    ///< under parkMu_: id -> connection
+  struct Active {
+    uint64_t connId;
+    std::string principal;
+    bool closing = false; ///< a takeover closed its connection already
+  };
+  std::map<std::string, Active> active_;      ///< under parkMu_
+  std::map<std::string, size_t> pendingTakeovers_; ///< under parkMu_: by principal
 };
 
 /// The outcome of handling one frame.
@@ -142,6 +160,9 @@ struct FrameOutcome {
   uint64_t seq = 0;   ///< The frame's sequence number (0 for a Hello).
   /// A Hello that resumed a parked session: it replaces the one that served the Hello.
   std::unique_ptr<Session> adopted;
+  /// The frame (a Hello taking over a session still attached) was not served: serve it again
+  /// after Context::wakeDeferred. Nothing of it has run.
+  bool deferred = false;
 };
 
 /// How a session's peer proves who it is, decided by the transport it came in on.
@@ -204,12 +225,12 @@ private:
   /// Reads a tensor's bytes into \p bytes, at most \p room of them (what the reply has left).
   std::string download(wire::Download::Reader r, uint64_t room, kj::Array<kj::byte> &bytes);
   void fail(ErrorPtr error);
-  /// Binds a handle to a value. A client may rebind handles it no longer uses.
-  void bind(uint64_t handle, Entry e) {
-    tensors_[handle] = std::move(e);
-    if (handle == stagedHandle_)
-      staged_ = at::Tensor();
-  }
+  /// Binds a handle to a value. A client may rebind handles it no longer uses. A new handle
+  /// costs the session kHandleBytes of its memory quota, and it holds at most
+  /// budgets.maxHandles of them: past either, this throws, which ends the session.
+  void bind(uint64_t handle, Entry e);
+  /// What one entry of tensors_ costs the server, charged to the session's account.
+  static constexpr uint64_t kHandleBytes = 96;
 
   Context &ctx_;
   std::string peer_;
@@ -229,6 +250,12 @@ private:
   void release(uint64_t handle);
   std::unique_ptr<Session> adopted_; ///< What this session's resume Hello found.
   uint64_t resumeFrom_ = 0;
+  /// A resume Hello waiting for a takeover (FrameOutcome::deferred): since when, and whether
+  /// it holds one of its principal's pending takeovers.
+  std::optional<std::chrono::steady_clock::time_point> deferredSince_;
+  bool holdsTakeover_ = false, deferHello_ = false;
+  /// How long a resume Hello waits for the session it takes over to be parked.
+  static constexpr auto kTakeoverWait = std::chrono::seconds(30);
   void fillHello(wire::HelloReply::Builder h, const std::string &serverMac);
   wire::Error::Kind fatalKind_ = wire::Error::Kind::PROTOCOL;
   /// The session's random state for each of ctx_.devices(); devices that are the same device
@@ -248,11 +275,11 @@ private:
   at::Tensor staged_;
   /// The graphs this session defined and has not forgotten: the only ones its Runs can name,
   /// and the ir::graphBytes they hold (at most budgets.graphMemory).
-  std::map<ir::Hash128, std::shared_ptr<const Plan>> defined_;
+  std::map<ir::Hash256, std::shared_ptr<const Plan>> defined_;
   uint64_t graphBytes_ = 0, graphsForgotten_ = 0;
   std::shared_ptr<memory::Account> account_;
   /// Graphs this session defined that failed checks (at most kMaxRefused are remembered).
-  std::map<ir::Hash128, ErrorPtr> refused_;
+  std::map<ir::Hash256, ErrorPtr> refused_;
   static constexpr size_t kMaxRefused = 256;
   struct GraphUse {
     uint32_t nodes = 0;
@@ -261,16 +288,16 @@ private:
     uint64_t runs = 0, executeNs = 0, compiledRuns = 0;
   };
   /// What rgpu.server_stats() reports of the graphs this session holds.
-  std::map<ir::Hash128, GraphUse> used_;
+  std::map<ir::Hash256, GraphUse> used_;
   /// Per graph held, the inputs and scalars of its latest Run: a relative Run says what changed.
   struct LastRun {
     std::vector<uint64_t> inputs;
     std::vector<ir::ScalarValue> scalars;
   };
-  std::map<ir::Hash128, LastRun> lastRuns_;
+  std::map<ir::Hash256, LastRun> lastRuns_;
   /// The inputs and scalars of Run \p r of graph \p g (\p hash), whole or relative to the
   /// previous run; an error message if they are not well formed.
-  std::string runArgs(wire::Run::Reader r, const ir::Hash128 &hash, const ir::Graph &g,
+  std::string runArgs(wire::Run::Reader r, const ir::Hash256 &hash, const ir::Graph &g,
                       std::vector<uint64_t> &inputs,
                       llvm::SmallVectorImpl<ir::ScalarValue> &scalars);
   uint64_t runs_ = 0, executeNs_ = 0, compiledRuns_ = 0, writesInPlace_ = 0;

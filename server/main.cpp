@@ -105,6 +105,9 @@ options:
                          tensors, for its client to resume it (default 120)
   --max-tensor-mib N     largest tensor a graph may hold or a client may upload, in MiB
                          (default: this machine's physical memory)
+  --max-handles N        tensor handles one session may hold bound (default 1048576);
+                         each costs it 96 bytes of its --session-memory as well. Past
+                         either, the session ends with an error saying so
 
 memory and caches (SIZE: a number with a unit, such as 8GiB, 512MiB or 64k):
   --memory-limit SIZE    memory all sessions may hold together (default: 85% of this
@@ -158,6 +161,7 @@ struct Slot {
   std::deque<net::Frame> queue; ///< under mu
   bool stopped = false;         ///< under mu: the connection ended; the session is to go
   bool scheduled = false;       ///< under mu: in the pool's queue or being served
+  bool deferred = false;        ///< under mu: its first frame waits for Server::wakeDeferred
   std::atomic<bool> cancelled{false};
   std::atomic<bool> greeted{false};
   std::atomic<bool> readPaused{false};
@@ -297,8 +301,8 @@ struct Server {
   void schedule(const std::shared_ptr<Slot> &slot) {
     {
       std::lock_guard<std::mutex> lock(slot->mu);
-      bool work = slot->stopped ||
-                  (!slot->queue.empty() && slot->outBytes < limits.bufferedBytes);
+      bool work = slot->stopped || (!slot->queue.empty() && !slot->deferred &&
+                                    slot->outBytes < limits.bufferedBytes);
       if (slot->scheduled || !work)
         return;
       slot->scheduled = true;
@@ -310,6 +314,30 @@ struct Server {
     }
     if (!spinning.load())
       poolCv.notify_one();
+  }
+
+  /// Slots whose frame was deferred (FrameOutcome::deferred): no pool thread holds them while
+  /// they wait. wakeDeferred serves each again.
+  std::mutex deferredMu;
+  std::vector<std::weak_ptr<Slot>> deferred;
+  void defer(const std::shared_ptr<Slot> &slot) {
+    std::lock_guard<std::mutex> lock(deferredMu);
+    deferred.push_back(slot);
+  }
+  void wakeDeferred() {
+    std::vector<std::weak_ptr<Slot>> waiting;
+    {
+      std::lock_guard<std::mutex> lock(deferredMu);
+      waiting.swap(deferred);
+    }
+    for (const std::weak_ptr<Slot> &w : waiting)
+      if (std::shared_ptr<Slot> slot = w.lock()) {
+        {
+          std::lock_guard<std::mutex> lock(slot->mu);
+          slot->deferred = false;
+        }
+        schedule(slot);
+      }
   }
 
   void startWorkers(size_t n) {
@@ -393,6 +421,18 @@ void serveSlots(Server *server) {
       slot->session = std::make_unique<Session>(*server->ctx, slot->peer, slot->admission,
                                                 &slot->cancelled);
     FrameOutcome out = slot->session->handle(frame);
+    if (out.deferred) {
+      // Served again when a session is parked or ends, or at the next tick.
+      slot->queuedBytes += frame.bytes;
+      {
+        std::lock_guard<std::mutex> lock(slot->mu);
+        slot->queue.push_front(std::move(frame));
+        slot->deferred = true;
+        slot->scheduled = false;
+      }
+      server->defer(slot);
+      continue;
+    }
     const uint64_t frameBytes = frame.bytes;
     frame = net::Frame(); // its bytes go before the reply is sent
     if (frameBytes >= kTrimAfterFrameBytes)
@@ -402,7 +442,7 @@ void serveSlots(Server *server) {
       slot->session->attach(slot->peer, &slot->cancelled);
     }
     if (slot->session->resumable() && !slot->activated) {
-      server->ctx->activate(slot->session->id(), slot->connId);
+      server->ctx->activate(slot->session->id(), slot->connId, slot->session->principal());
       slot->activated = true;
     }
     // Set before the reply is posted: the loop reads it when it lets larger frames in.
@@ -783,6 +823,7 @@ void onTick(uv_timer_t *t) {
     c->slot->outBytes += heartbeat->size();
     write(c, heartbeat, false);
   }
+  server->wakeDeferred(); // a resume's deadline may have passed
   if (size_t n = server->ctx->expireParked())
     log(std::to_string(n) + " disconnected session(s) dropped: not resumed within " +
         std::to_string(server->ctx->sessionGraceMs / 1000) + " s (--session-grace)");
@@ -948,11 +989,13 @@ int main(int argc, char **argv) {
       } else if (a == "--spin-us") {
         spinUs = std::max(0, std::stoi(value()));
       } else if (a == "--workers") {
-        workers = std::max(2, std::stoi(value())); // one may wait for a session to be parked
+        workers = std::max(2, std::stoi(value()));
       } else if (a == "--session-grace") {
         sessionGraceMs = uint64_t(std::max(0.0, std::stod(value())) * 1000);
       } else if (a == "--max-tensor-mib") {
         limits.maxTensorBytes = std::stoull(value()) << 20;
+      } else if (a == "--max-handles") {
+        budgets.maxHandles = std::max<uint64_t>(1, std::stoull(value()));
       } else if (a == "--max-frame-mib") {
         limits.maxFrameBytes = std::stoull(value()) << 20;
       } else if (a == "--memory-limit" || a == "--session-memory" || a == "--graph-memory" ||
@@ -1063,6 +1106,7 @@ int main(int argc, char **argv) {
   server.ctx->closeConnection = [&server](uint64_t connId) {
     server.post({connId, nullptr, true});
   };
+  server.ctx->wakeDeferred = [&server] { server.wakeDeferred(); };
   memory::install(memoryLimit);
   server.limits = conn;
   server.loop = uv_default_loop();

@@ -39,12 +39,12 @@ int fail(const std::string &message, int code = 1) {
 
 /// Resolves a hash or unique prefix to a loaded graph; returns an error message or "".
 std::string load(const std::string &dir, llvm::StringRef prefix, wire::GraphRecord &out) {
-  std::vector<ir::Hash128> all = wire::listCachedGraphs(dir);
+  std::vector<ir::Hash256> all = wire::listCachedGraphs(dir);
   if (all.empty())
     return "no graphs in " + dir + " (run a program on rgpu first; RGPU_CACHE_DIR sets the place)";
   std::string want = prefix.lower();
-  std::vector<ir::Hash128> matches;
-  for (const ir::Hash128 &h : all)
+  std::vector<ir::Hash256> matches;
+  for (const ir::Hash256 &h : all)
     if (llvm::StringRef(h.hex()).startswith(want))
       matches.push_back(h);
   if (want.empty() || matches.empty())
@@ -56,11 +56,11 @@ std::string load(const std::string &dir, llvm::StringRef prefix, wire::GraphReco
 }
 
 int list(const std::string &dir) {
-  std::vector<ir::Hash128> all = wire::listCachedGraphs(dir);
+  std::vector<ir::Hash256> all = wire::listCachedGraphs(dir);
   if (all.empty())
     return fail("no graphs in " + dir + " (run a program on rgpu first; RGPU_CACHE_DIR sets the place)");
   int bad = 0;
-  for (const ir::Hash128 &h : all) {
+  for (const ir::Hash256 &h : all) {
     wire::GraphRecord g;
     if (std::string e = wire::readCachedGraph(wire::cacheFilePath(dir, h), g); !e.empty()) {
       llvm::errs() << "rgpu-trace-dump: " << e << "\n";

@@ -15,7 +15,7 @@ constexpr uint64_t kSlowWaitNs = 1'000'000'000;
 Diagnostics::Diagnostics(std::function<void(int, const std::string &)> log)
     : log_(std::move(log)), cacheDir_(wire::defaultCacheDir()) {}
 
-void Diagnostics::newGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph,
+void Diagnostics::newGraph(const ir::Hash256 &hash, std::shared_ptr<const ir::Graph> graph,
                            const char *reason, uint32_t siteId, const std::string &where) {
   GraphInfo &info = graphs_[hash];
   info.nodes = graph->nodes.size();
@@ -67,11 +67,11 @@ void Diagnostics::newGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Gr
 }
 
 void Diagnostics::waited(uint32_t siteId, const std::string &where,
-                         llvm::ArrayRef<ir::Hash128> graphs, uint64_t ns) {
+                         llvm::ArrayRef<ir::Hash256> graphs, uint64_t ns) {
   SiteInfo &site = sites_[siteId];
   ++site.syncs;
   site.waitNs += ns;
-  for (const ir::Hash128 &h : graphs) {
+  for (const ir::Hash256 &h : graphs) {
     graphs_[h].waitNs += ns;
     ++graphs_[h].waitedRuns;
   }

@@ -56,7 +56,7 @@ void raise(ErrorKind kind, const std::string &message, const std::string &python
 /// A command waiting for the next frame.
 struct Session::Command {
   wire::Command::Which kind;
-  ir::Hash128 hash;
+  ir::Hash256 hash;
   std::shared_ptr<const ir::Graph> graph;
   std::vector<uint64_t> handles;
   std::vector<ir::ScalarValue> scalars;
@@ -75,7 +75,7 @@ struct Session::Command {
   uint64_t offset = 0, length = 0;
   std::string encoded; ///< An upload chunk compressed by byte plane (rgpu/wire/Planes.h).
   std::string executor; ///< A Define's executor hint.
-  std::vector<ir::Hash128> hashes; ///< A Forget's graphs.
+  std::vector<ir::Hash256> hashes; ///< A Forget's graphs.
   llvm::SmallVector<int64_t, 4> symbols; ///< A Run's symbol values (of a symbolic graph).
   llvm::IntrusiveRefCntPtr<DeviceData> valueOf; ///< A Download that brings this data's value.
 };
@@ -456,7 +456,7 @@ uint64_t Session::queueResolved(Resolved r, bool replyMetas, const char *reason,
   return first;
 }
 
-bool Session::hold(const ir::Hash128 &hash, const ir::Graph *graph) {
+bool Session::hold(const ir::Hash256 &hash, const ir::Graph *graph) {
   if (auto it = heldIndex_.find(hash); it != heldIndex_.end()) {
     held_.splice(held_.begin(), held_, it->second);
     return false;
@@ -1252,7 +1252,7 @@ Session::Reply Session::flush(bool wantReply) {
   std::vector<Command> sent;
   sent.swap(queue_);
   releases_.clear();
-  std::vector<ir::Hash128> ranInFrame;
+  std::vector<ir::Hash256> ranInFrame;
   ranInFrame.swap(runsInFrame_);
   std::string bytes = net::encodeFrame(b, dataBytes < kPackBelow);
   ++stats.messages;
@@ -1513,7 +1513,7 @@ void Session::awaitReply(uint64_t seq, bool throttle) {
                          [&](const InFlight &f) { return f.seq == seq; });
   if (it == inflight_.end())
     return;
-  std::vector<ir::Hash128> runs = it->runs;
+  std::vector<ir::Hash256> runs = it->runs;
   auto start = std::chrono::steady_clock::now();
   net::Frame frame = transport_.receive(
       seq, [this](const net::Frame &f) { absorb(f, nullptr); }, /*spin=*/!throttle);

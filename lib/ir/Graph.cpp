@@ -5,13 +5,16 @@
 #include <llvm/ADT/STLExtras.h>
 #include <llvm/ADT/StringMap.h>
 #include <llvm/Support/Allocator.h>
-#include <llvm/Support/xxhash.h>
+#include <llvm/Support/Endian.h>
+#include <llvm/Support/ErrorHandling.h>
 #include <llvm/Support/raw_ostream.h>
 
 #include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
+
+#include <sodium.h>
 
 using namespace llvm;
 
@@ -192,19 +195,21 @@ bool sameStructure(const Graph &a, const Graph &b) {
   return true;
 }
 
-std::string Hash128::hex() const {
-  char buf[33];
-  snprintf(buf, sizeof buf, "%016llx%016llx", (unsigned long long)hi, (unsigned long long)lo);
+std::string Hash256::hex() const {
+  char buf[65];
+  snprintf(buf, sizeof buf, "%016llx%016llx%016llx%016llx", (unsigned long long)w[0],
+           (unsigned long long)w[1], (unsigned long long)w[2], (unsigned long long)w[3]);
   return buf;
 }
 
-bool Hash128::parse(StringRef text, Hash128 &out) {
-  if (text.size() != 32)
+bool Hash256::parse(StringRef text, Hash256 &out) {
+  if (text.size() != 64)
     return false;
-  uint64_t hi, lo;
-  if (text.substr(0, 16).getAsInteger(16, hi) || text.substr(16).getAsInteger(16, lo))
-    return false;
-  out = {hi, lo};
+  Hash256 h;
+  for (size_t k = 0; k < 4; ++k)
+    if (text.substr(16 * k, 16).getAsInteger(16, h.w[k]))
+      return false;
+  out = h;
   return true;
 }
 
@@ -364,6 +369,7 @@ public:
   void position(int64_t v) { u64(skeleton ? 0 : v); }
   void meta(const TensorMeta &m) {
     u64(uint64_t(uint8_t(m.dtype)) | uint64_t(m.sizes.size()) << 8);
+    u64(m.strides.size());
     for (int64_t s : m.sizes)
       position(s);
     for (int64_t s : m.strides)
@@ -393,11 +399,10 @@ public:
   }
 };
 
-Hash128 hashGraph(const Graph &g, bool skeleton) {
+std::string canonicalBytes(const Graph &g, bool skeleton) {
   HashWriter w;
   w.skeleton = skeleton;
   w.buf.reserve(64 + g.nodes.size() * 96);
-  w.u64(0); // salt slot, see below
   w.u64(g.inputs.size());
   for (const TensorMeta &m : g.inputs) {
     w.meta(m);
@@ -443,7 +448,7 @@ Hash128 hashGraph(const Graph &g, bool skeleton) {
   w.u64(g.outputs.size());
   for (uint32_t v : g.outputs)
     w.u64(v);
-  if (g.symbolCount && !skeleton) { // a static graph hashes as it did before symbols existed
+  if (!skeleton) {
     w.u64(g.symbolCount);
     w.u64(g.symbolic.size());
     for (const SymbolicInt &s : g.symbolic) {
@@ -455,18 +460,27 @@ Hash128 hashGraph(const Graph &g, bool skeleton) {
         w.u64(f);
     }
   }
-  // Two independent 64-bit hashes: the second sees a different leading word.
-  Hash128 h;
-  h.hi = xxHash64(StringRef(w.buf));
-  uint64_t salt = 0x9e3779b97f4a7c15ull;
-  std::memcpy(&w.buf[0], &salt, sizeof salt);
-  h.lo = xxHash64(StringRef(w.buf));
+  return std::move(w.buf);
+}
+
+Hash256 blake2b256(StringRef bytes) {
+  static_assert(crypto_generichash_BYTES == 32, "BLAKE2b-256");
+  static const bool ready = sodium_init() >= 0; // picks the CPU's fastest BLAKE2b once
+  if (!ready)
+    report_fatal_error("libsodium cannot start");
+  unsigned char digest[32];
+  crypto_generichash(digest, sizeof digest, reinterpret_cast<const unsigned char *>(bytes.data()),
+                     bytes.size(), nullptr, 0);
+  Hash256 h;
+  for (size_t k = 0; k < 4; ++k)
+    h.w[k] = support::endian::read64le(digest + 8 * k);
   return h;
 }
 } // namespace
 
-Hash128 hashGraph(const Graph &g) { return hashGraph(g, false); }
-Hash128 skeletonHash(const Graph &g) { return hashGraph(g, true); }
+std::string canonicalBytes(const Graph &g) { return canonicalBytes(g, false); }
+Hash256 hashGraph(const Graph &g) { return blake2b256(canonicalBytes(g, false)); }
+Hash256 skeletonHash(const Graph &g) { return blake2b256(canonicalBytes(g, true)); }
 
 //===----------------------------------------------------------------------===//
 // Structural verification

@@ -280,9 +280,9 @@ std::vector<std::string> symbolSources(const Graph &g) {
   return out;
 }
 
-bool ShapeFamilies::fit(const Graph &concrete, const Hash128 &hash, Fit &out,
+bool ShapeFamilies::fit(const Graph &concrete, const Hash256 &hash, Fit &out,
                         llvm::ArrayRef<uint32_t> hinted) {
-  auto it = memo_.find({hash.hi, hash.lo});
+  auto it = memo_.find(hash);
   if (it != memo_.end()) {
     out = it->second;
     return out.graph != nullptr;
@@ -292,7 +292,7 @@ bool ShapeFamilies::fit(const Graph &concrete, const Hash128 &hash, Fit &out,
     memo_.clear(); // graphs that ran as themselves may fit the new one
   if (memo_.size() >= kMaxMemo)
     memo_.clear();
-  Fit &m = memo_[{hash.hi, hash.lo}];
+  Fit &m = memo_[hash];
   if (symbolic) {
     m = out;
     m.isNew = m.fromHints = false;
@@ -302,8 +302,8 @@ bool ShapeFamilies::fit(const Graph &concrete, const Hash128 &hash, Fit &out,
 
 bool ShapeFamilies::fitNew(const Graph &concrete, llvm::ArrayRef<uint32_t> hinted, Fit &out) {
   out.isNew = out.fromHints = false;
-  Hash128 key = skeletonHash(concrete);
-  Family &family = families_[{key.hi, key.lo}];
+  Hash256 key = skeletonHash(concrete);
+  Family &family = families_[key];
   std::vector<int64_t> values = positions(concrete);
   for (auto it = family.graphs.rbegin(); it != family.graphs.rend(); ++it)
     if (matchPositions(*it->graph, it->positions, values, out.symbols)) {
@@ -333,8 +333,8 @@ bool ShapeFamilies::fitNew(const Graph &concrete, llvm::ArrayRef<uint32_t> hinte
 }
 
 std::vector<ShapeFamilies::Candidate> ShapeFamilies::candidates(const Graph &concrete) const {
-  Hash128 key = skeletonHash(concrete);
-  auto it = families_.find({key.hi, key.lo});
+  Hash256 key = skeletonHash(concrete);
+  auto it = families_.find(key);
   if (it == families_.end())
     return {};
   return {it->second.graphs.rbegin(), it->second.graphs.rend()};

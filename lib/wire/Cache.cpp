@@ -23,7 +23,7 @@ std::string defaultCacheDir() {
   return std::string(home ? home : ".") + "/.cache/rgpu/graphs";
 }
 
-std::string cacheFilePath(const std::string &dir, const ir::Hash128 &hash) {
+std::string cacheFilePath(const std::string &dir, const ir::Hash256 &hash) {
   llvm::SmallString<256> path(dir);
   llvm::sys::path::append(path, hash.hex() + ".rgraph");
   return std::string(path);
@@ -92,13 +92,13 @@ std::string readCachedGraph(const std::string &path, GraphRecord &g) {
   return "";
 }
 
-std::vector<ir::Hash128> listCachedGraphs(const std::string &dir) {
-  std::vector<ir::Hash128> hashes;
+std::vector<ir::Hash256> listCachedGraphs(const std::string &dir) {
+  std::vector<ir::Hash256> hashes;
   std::error_code ec;
   for (llvm::sys::fs::directory_iterator it(dir, ec), end; it != end && !ec; it.increment(ec)) {
     llvm::StringRef name = llvm::sys::path::filename(it->path());
-    ir::Hash128 h;
-    if (name.endswith(".rgraph") && ir::Hash128::parse(name.drop_back(7), h))
+    ir::Hash256 h;
+    if (name.endswith(".rgraph") && ir::Hash256::parse(name.drop_back(7), h))
       hashes.push_back(h);
   }
   std::sort(hashes.begin(), hashes.end());

@@ -66,9 +66,11 @@ struct Graph {
   symbolic @6 :List(SymbolicInt);
 }
 
-struct Hash {
-  hi @0 :UInt64;
-  lo @1 :UInt64;
+struct Hash {           # a graph's BLAKE2b-256 digest (ir::Hash256), as four little-endian words
+  w0 @0 :UInt64;
+  w1 @1 :UInt64;
+  w2 @2 :UInt64;
+  w3 @3 :UInt64;
 }
 
 struct ScalarValue {

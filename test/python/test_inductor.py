@@ -5,6 +5,7 @@ runs its client in its own process (inductor_client.py)."""
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -348,3 +349,48 @@ def test_a_spec_naming_writes_the_graph_cannot_have_is_compiled_again(tmp_path):
         server.stop()
     assert "names writes the graph cannot have; compiling it again" in log, log
     assert out["slice"]["writes_in_place"] >= 10, out
+
+
+FORGED = (
+    "import json, sys, time, torch, rgpu\n"
+    "width = int(sys.argv[1])\n"
+    "for step in range(5):\n"
+    "    x = torch.randn(8, width)\n"
+    "    got = (x.to('rgpu') * 2 + 1).sin().cpu()\n"
+    "    assert torch.allclose(got, (x * 2 + 1).sin(), rtol=1e-6, atol=1e-6), step\n"
+    "    while rgpu.server_stats()['compiles_pending']:\n"
+    "        time.sleep(0.2)\n"
+    "session = rgpu.server_stats()['session']\n"
+    "print(json.dumps({'hashes': [g['hash'] for g in session['graphs']],\n"
+    "                  'compiled_runs': session['compiled_runs']}))\n")
+
+
+def test_a_package_put_under_another_graphs_name_is_refused_and_that_graph_compiled(tmp_path):
+    # A package is found by its graph's digest, but runs only for the graph it records: the
+    # package of a graph on [8, 64] inputs, renamed to the digest of the same ops on [8, 8]
+    # (what a forged hash would make the server find), is refused at load; the [8, 8] graph is
+    # compiled for itself and computes what the CPU does.
+    def run_width(width, *args):
+        server = inductor_server(str(tmp_path), *args)
+        try:
+            code = f"import sys; sys.argv = ['forged', '{width}']\n" + FORGED
+            return last_json(server, code, timeout=600), "".join(server.log)
+        finally:
+            server.stop()
+
+    inductor = tmp_path / "inductor"
+    run_width(64, "--compile-after", "2")
+    packages = [f for f in os.listdir(inductor) if f.endswith(".pt2")]
+    assert len(packages) == 1, packages
+    stem_a = packages[0][:-len(".pt2")]
+    digest_a, key = stem_a.split("-")
+    assert len(digest_a) == 64
+    out, _ = run_width(8, "--compile-after", "1000")
+    (digest_b,) = out["hashes"]
+    assert digest_b != digest_a
+    for ext in (".pt2", ".pt2.spec", ".pt2.graph"):
+        shutil.copy(inductor / (stem_a + ext), inductor / f"{digest_b}-{key}{ext}")
+    out, log = run_width(8, "--compile-after", "2")
+    assert "records another graph (or none); compiling it again" in log, log
+    assert "inductor compiled in" in log, log
+    assert out["compiled_runs"] >= 1, out

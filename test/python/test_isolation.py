@@ -82,3 +82,21 @@ print(total, v.sum().item(), rgpu.stats()['reconnects'])
     r = run_client(server.address, script)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:3] == ["idle", "True 12.0", "992.0 5.0 0"], r.stdout
+
+
+def test_a_resize_grows_into_zeros_even_over_a_block_the_session_freed(fresh_server):
+    # A session's freed blocks are reused as they were, for its own next allocations of that
+    # size; a resize's grown part is zeroed all the same, as on a CUDA server, whose allocator
+    # hands out what another session left.
+    code = ("import torch, rgpu\n"
+            "x = torch.full((1 << 20,), 7.0, device='rgpu')\n"
+            "rgpu.synchronize()\n"
+            "del x\n"
+            "rgpu.synchronize()\n"
+            "y = torch.ones(4, device='rgpu').resize_(1 << 20)\n"
+            "z = torch.empty(0, device='rgpu')\n"
+            "torch.exp(torch.zeros(3, device='rgpu'), out=z)\n"
+            "print(int((y.cpu() != 0).sum()), z.cpu().tolist())\n")
+    r = run_client(fresh_server.address, code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["4", "[1.0,", "1.0,", "1.0]"], r.stdout

@@ -223,3 +223,28 @@ def test_cpu_stand_ins_stay_inside_the_session_quota():
         assert server.alive()
     finally:
         server.stop()
+
+
+def test_a_session_past_its_handle_limit_gets_a_remote_error_naming_it():
+    # Each tensor a session holds on the server is a handle: at most --max-handles of them.
+    server = Server("--max-handles", "1000")
+    try:
+        r = run_client(server.address, textwrap.dedent("""
+            import torch, rgpu
+            kept = [torch.ones(1, device="rgpu") * k for k in range(1200)]
+            try:
+                print(sum(t.item() for t in kept))
+            except rgpu.RemoteError as e:
+                print("refused:", e)
+            del kept
+            rgpu.synchronize()  # the releases go (a frame binds its outputs before it releases)
+            print(torch.arange(4, device="rgpu").sum().item())
+            print(rgpu.server_stats()["session"]["tensors"] < 1000)
+        """))
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith("refused:"), lines
+        assert "1000 tensor handles, the most a session may (--max-handles)" in lines[0], lines
+        assert lines[1:] == ["6", "True"], lines
+    finally:
+        server.stop()

@@ -48,25 +48,25 @@ public:
   /// Warn when one sync site has cut more than this many graphs differing only in shapes.
   void setRecompileWarningThreshold(uint64_t n) { recompileWarnAfter_ = n; }
 
-  bool known(const ir::Hash128 &hash) const { return graphs_.count(hash) != 0; }
+  bool known(const ir::Hash256 &hash) const { return graphs_.count(hash) != 0; }
   /// A graph seen for the first time, cut at \p site (\p where is its text) for \p reason.
-  void newGraph(const ir::Hash128 &hash, std::shared_ptr<const ir::Graph> graph,
+  void newGraph(const ir::Hash256 &hash, std::shared_ptr<const ir::Graph> graph,
                 const char *reason, uint32_t site, const std::string &where);
-  void ran(const ir::Hash128 &hash) { ++graphs_[hash].runs; }
+  void ran(const ir::Hash256 &hash) { ++graphs_[hash].runs; }
   /// A wait of \p ns at \p site for a frame that ran \p graphs.
-  void waited(uint32_t site, const std::string &where, llvm::ArrayRef<ir::Hash128> graphs,
+  void waited(uint32_t site, const std::string &where, llvm::ArrayRef<ir::Hash256> graphs,
               uint64_t ns);
   /// Writes this process's run counts into the graph cache files (at exit).
   void flushCache();
 
-  const std::map<ir::Hash128, GraphInfo> &graphs() const { return graphs_; }
+  const std::map<ir::Hash256, GraphInfo> &graphs() const { return graphs_; }
   const std::map<uint32_t, SiteInfo> &sites() const { return sites_; }
 
 private:
   std::function<void(int, const std::string &)> log_;
   std::string cacheDir_;
   uint64_t recompileWarnAfter_ = 5;
-  std::map<ir::Hash128, GraphInfo> graphs_;
+  std::map<ir::Hash256, GraphInfo> graphs_;
   std::map<uint32_t, SiteInfo> sites_;
 };
 

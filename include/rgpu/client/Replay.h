@@ -44,7 +44,7 @@ struct Replay {
   /// The last concrete graph of this shape: its canonical positions and hash, and the symbolic
   /// graph it ran as (none: it ran as itself).
   std::vector<int64_t> positions;
-  ir::Hash128 hash;
+  ir::Hash256 hash;
   ir::ShapeFamilies::Fit fit;
   /// Its family's symbolic graphs and ShapeFamilies::generation() when they were read.
   std::vector<ir::ShapeFamilies::Candidate> candidates;

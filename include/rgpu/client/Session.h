@@ -148,7 +148,7 @@ public:
              compiledEvictions = 0, diskEvictions = 0, compilesDropped = 0;
     uint64_t sessionsParked = 0, resumes = 0, sessionsExpired = 0;
     struct Graph {
-      ir::Hash128 hash;
+      ir::Hash256 hash;
       uint32_t nodes = 0;
       uint64_t runs = 0, executeNs = 0, buildNs = 0;
       std::string executor;
@@ -231,7 +231,7 @@ public:
 
   using GraphInfo = Diagnostics::GraphInfo;
   using SiteInfo = Diagnostics::SiteInfo;
-  const std::map<ir::Hash128, GraphInfo> &graphs() const { return diagnostics_.graphs(); }
+  const std::map<ir::Hash256, GraphInfo> &graphs() const { return diagnostics_.graphs(); }
   const std::map<uint32_t, SiteInfo> &sites() const { return diagnostics_.sites(); }
 
   /// Log events go to \p sink (Python's logger "rgpu"); debug events only if \p debug.
@@ -278,7 +278,7 @@ private:
                     llvm::ArrayRef<std::pair<TraceNode *, uint32_t>> outputs);
   /// How a cut runs: which graph, with what.
   struct Resolved {
-    ir::Hash128 hash;
+    ir::Hash256 hash;
     /// The graph a Define would send; null only if the server holds it.
     std::shared_ptr<const ir::Graph> graph;
     bool symbolic = false;
@@ -320,7 +320,7 @@ private:
     std::vector<uint64_t> inputs;
     std::vector<ir::ScalarValue> scalars;
   };
-  std::map<ir::Hash128, LastRun> lastRuns_;
+  std::map<ir::Hash256, LastRun> lastRuns_;
   void encodeRunArgs(const Command &c, wire::Run::Builder r);
   /// Per Download of a frame, the data whose value it brings, in what layout (null data: an
   /// ordinary download).
@@ -337,7 +337,7 @@ private:
   struct InFlight {
     uint64_t seq = 0;
     Targets targets;
-    std::vector<ir::Hash128> runs;
+    std::vector<ir::Hash256> runs;
     std::chrono::steady_clock::time_point sent;
     bool step = false; ///< It runs a graph: it counts against RGPU_MAX_INFLIGHT.
   };
@@ -430,20 +430,20 @@ private:
   /// The graphs the server holds for this session, most recently run first, with their
   /// ir::graphBytes: kept under the budget its Hello reply announced by forgetting the least
   /// recently run ones (a graph run again after that is defined again).
-  std::list<std::pair<ir::Hash128, uint64_t>> held_;
-  std::map<ir::Hash128, std::list<std::pair<ir::Hash128, uint64_t>>::iterator> heldIndex_;
+  std::list<std::pair<ir::Hash256, uint64_t>> held_;
+  std::map<ir::Hash256, std::list<std::pair<ir::Hash256, uint64_t>>::iterator> heldIndex_;
   uint64_t heldBytes_ = 0;
   /// Handles below this belong to a session lost before reset(): using them raises.
   uint64_t firstHandle_ = 1;
   /// Records that the server is to hold \p graph (hashed \p hash) for its next Run, queueing
   /// Forgets that make room if it does not hold it yet. True if its Define must be queued.
-  bool hold(const ir::Hash128 &hash, const ir::Graph *graph);
+  bool hold(const ir::Hash256 &hash, const ir::Graph *graph);
   /// Per graph hash, the location id of each node at its latest run: a remote error names the
   /// user's line as it is now, whatever line first defined the graph.
-  std::map<ir::Hash128, std::vector<uint32_t>> nodeLocations_;
+  std::map<ir::Hash256, std::vector<uint32_t>> nodeLocations_;
   llvm::StringMap<uint32_t> locationIds_;
   uint32_t site_ = 0; ///< The user's line whose sync is being served.
-  std::vector<ir::Hash128> runsInFrame_;
+  std::vector<ir::Hash256> runsInFrame_;
   bool dynamic_ = true;
   /// Whether uploads travel compressed by byte plane (RGPU_COMPRESS): auto does so where the
   /// link's fastest exchange took 2 ms or more, where bandwidth, not the client's CPU, is short.

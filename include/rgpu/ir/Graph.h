@@ -14,6 +14,7 @@
 #include <llvm/ADT/SmallVector.h>
 #include <llvm/ADT/StringRef.h>
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -151,16 +152,18 @@ struct Node {
   bool random = false;
 };
 
-/// A 128-bit graph identity.
-struct Hash128 {
-  uint64_t hi = 0, lo = 0;
-  bool operator==(const Hash128 &o) const { return hi == o.hi && lo == o.lo; }
-  bool operator!=(const Hash128 &o) const { return !(*this == o); }
-  bool operator<(const Hash128 &o) const { return hi != o.hi ? hi < o.hi : lo < o.lo; }
-  /// 32 lowercase hex digits.
+/// A graph's identity: the BLAKE2b-256 digest of its canonical bytes (hashGraph). Peers name
+/// graphs by it and the server finds plans and compiled packages by it, so it must be a digest
+/// no peer can collide on purpose (docs/security.md).
+struct Hash256 {
+  std::array<uint64_t, 4> w{};
+  bool operator==(const Hash256 &o) const { return w == o.w; }
+  bool operator!=(const Hash256 &o) const { return w != o.w; }
+  bool operator<(const Hash256 &o) const { return w < o.w; }
+  /// 64 lowercase hex digits.
   std::string hex() const;
-  /// Parses 32 hex digits; false if malformed.
-  static bool parse(llvm::StringRef text, Hash128 &out);
+  /// Parses 64 hex digits; false if malformed.
+  static bool parse(llvm::StringRef text, Hash256 &out);
 };
 
 /// The most size symbols a graph may have.
@@ -223,7 +226,7 @@ struct Canonical {
   llvm::SmallVector<uint32_t, 8> scalarOrder;
   /// nodeOrder[k] is the caller's node that became canonical node k.
   std::vector<uint32_t> nodeOrder;
-  Hash128 hash;
+  Hash256 hash;
 };
 
 /// Puts \p g into canonical form: nodes in post-order of a depth-first walk from the outputs (in
@@ -235,10 +238,13 @@ struct Canonical {
 /// static: the canonical form of a symbolic graph keeps none of its symbols.
 Canonical canonicalize(const Graph &g);
 
-/// The 128-bit structural hash of a graph: ops, args, operand wiring, input/output metas,
-/// scalar slot types and symbolic integers. Not data, scalar values, symbol values or
-/// locations. Two independent 64-bit xxHashes.
-Hash128 hashGraph(const Graph &g);
+/// The canonical bytes of a graph: an unambiguous serialization of what makes two graphs the
+/// same program (ops, args, operand wiring, input/output metas, scalar slot types and symbolic
+/// integers), and nothing else (not data, scalar values, symbol values or locations).
+std::string canonicalBytes(const Graph &g);
+
+/// The structural hash of a graph: BLAKE2b-256 of its canonical bytes.
+Hash256 hashGraph(const Graph &g);
 
 /// What \p g costs to hold, in bytes: an estimate of its size in memory from its content alone,
 /// so that a client and a server holding the same graph count the same (a session's graph

@@ -21,6 +21,7 @@
 #include <llvm/ADT/DenseMap.h>
 
 #include <memory>
+#include <map>
 #include <vector>
 
 namespace rgpu::ir {
@@ -52,7 +53,7 @@ std::vector<int64_t> positions(const Graph &g);
 /// A hash of everything but the positions' values, plus each input's stride order (row-major
 /// or the permutation): graphs with the same skeleton hash differ only in their positions, and
 /// a permuted view is not of one family with a contiguous tensor.
-Hash128 skeletonHash(const Graph &g);
+Hash256 skeletonHash(const Graph &g);
 
 /// Symbols and expressions that explain every observation of one family: positions equal in
 /// all of them stay constants; the others become expressions of symbols, each symbol read from
@@ -100,7 +101,7 @@ public:
   /// How a concrete graph is to run: as symbolic graph \p graph with \p symbols.
   struct Fit {
     std::shared_ptr<const Graph> graph;
-    Hash128 hash;
+    Hash256 hash;
     llvm::SmallVector<int64_t, 4> symbols;
     bool isNew = false;     ///< The graph was generalized just now,
     bool fromHints = false; ///< from declared dynamic sizes alone.
@@ -112,12 +113,12 @@ public:
   /// shapes pays one lookup.
   /// \p hinted lists input-size positions declared dynamic (see generalizeHinted): the first
   /// of a family then runs as a symbolic graph at once.
-  bool fit(const Graph &concrete, const Hash128 &hash, Fit &out,
+  bool fit(const Graph &concrete, const Hash256 &hash, Fit &out,
            llvm::ArrayRef<uint32_t> hinted = {});
   /// The symbolic graphs of \p concrete's family, newest first: what fit tries, in its order.
   struct Candidate {
     std::shared_ptr<const Graph> graph;
-    Hash128 hash;
+    Hash256 hash;
     std::vector<int64_t> positions;
   };
   std::vector<Candidate> candidates(const Graph &concrete) const;
@@ -135,10 +136,10 @@ private:
   };
   bool fitNew(const Graph &concrete, llvm::ArrayRef<uint32_t> hinted, Fit &out);
   bool adopt(Family &family, uint32_t count, std::vector<SymbolicInt> symbolic, Fit &out);
-  llvm::DenseMap<std::pair<uint64_t, uint64_t>, Family> families_;
+  std::map<Hash256, Family> families_;
   /// Per concrete graph hash, how it runs: as itself (no graph) or as a symbolic graph. Cleared
   /// whenever a family gains a symbolic graph.
-  llvm::DenseMap<std::pair<uint64_t, uint64_t>, Fit> memo_;
+  std::map<Hash256, Fit> memo_;
   static constexpr size_t kMaxMemo = 4096;
   uint64_t generation_ = 0;
 };

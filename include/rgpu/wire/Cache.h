@@ -1,6 +1,6 @@
 //===- rgpu/wire/Cache.h - Graph cache files ---------------------------------===//
 //
-// Every graph a client ships is also kept as one file, `<32 hex digits>.rgraph`, in its graph
+// Every graph a client ships is also kept as one file, `<64 hex digits>.rgraph`, in its graph
 // cache directory, so that rgpu-trace-dump can list, show and diff what was traced. Files are
 // written whole to a temporary name and renamed, so a reader never sees half a file.
 //
@@ -18,7 +18,7 @@
 namespace rgpu::wire {
 
 struct GraphRecord {
-  ir::Hash128 hash;
+  ir::Hash256 hash;
   ir::Graph graph;
   uint64_t firstSeen = 0;
   uint64_t runs = 0;
@@ -30,7 +30,7 @@ struct GraphRecord {
 std::string defaultCacheDir();
 
 /// The path of \p hash's file inside the cache directory \p dir.
-std::string cacheFilePath(const std::string &dir, const ir::Hash128 &hash);
+std::string cacheFilePath(const std::string &dir, const ir::Hash256 &hash);
 /// Writes \p g into \p dir (created if missing). Returns "" or what went wrong.
 std::string writeCachedGraph(const std::string &dir, const GraphRecord &g);
 /// Reads one cache file. Returns "" or why it cannot be read (missing, corrupt, wrong hash).
@@ -41,6 +41,6 @@ std::string writeMessageFile(const std::string &path, capnp::MessageBuilder &mes
 std::string readMessageFile(const std::string &path, kj::Array<capnp::word> &words);
 
 /// The hashes of every cache file in \p dir, sorted; empty if the directory does not exist.
-std::vector<ir::Hash128> listCachedGraphs(const std::string &dir);
+std::vector<ir::Hash256> listCachedGraphs(const std::string &dir);
 
 } // namespace rgpu::wire

@@ -18,7 +18,7 @@
 namespace rgpu::wire {
 
 /// Wire protocol version; bumped on any incompatible schema change.
-constexpr uint32_t kProtocolVersion = 8;
+constexpr uint32_t kProtocolVersion = 9;
 
 /// Limits applied to every message a peer sends.
 struct Limits {
@@ -69,10 +69,14 @@ std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g,
 void encodeScalar(const ir::ScalarValue &v, ScalarValue::Builder b);
 ir::ScalarValue decodeScalar(ScalarValue::Reader r);
 
-inline void encodeHash(const ir::Hash128 &h, Hash::Builder b) {
-  b.setHi(h.hi);
-  b.setLo(h.lo);
+inline void encodeHash(const ir::Hash256 &h, Hash::Builder b) {
+  b.setW0(h.w[0]);
+  b.setW1(h.w[1]);
+  b.setW2(h.w[2]);
+  b.setW3(h.w[3]);
 }
-inline ir::Hash128 decodeHash(Hash::Reader r) { return {r.getHi(), r.getLo()}; }
+inline ir::Hash256 decodeHash(Hash::Reader r) {
+  return {{r.getW0(), r.getW1(), r.getW2(), r.getW3()}};
+}
 
 } // namespace rgpu::wire

@@ -1,7 +1,11 @@
 #include "rgpu/ir/Graph.h"
 
 #include <gtest/gtest.h>
+#include <llvm/Support/Endian.h>
 #include <llvm/Support/raw_ostream.h>
+#include <llvm/Support/xxhash.h>
+
+#include <cstring>
 
 using namespace rgpu::ir;
 
@@ -43,7 +47,7 @@ TEST(Graph, HashIsStableUnderInputRenumbering) {
 }
 
 TEST(Graph, HashChangesWithShapeDtypeAndOp) {
-  Hash128 base = canonicalize(mulAdd()).hash;
+  Hash256 base = canonicalize(mulAdd()).hash;
   EXPECT_NE(base, canonicalize(mulAdd(meta({4, 9}))).hash);
   EXPECT_NE(base, canonicalize(mulAdd(meta({4, 8}, dtype::BFloat16))).hash);
   Graph op = mulAdd();
@@ -52,6 +56,107 @@ TEST(Graph, HashChangesWithShapeDtypeAndOp) {
   Graph strided = mulAdd();
   strided.inputs[0].strides = {1, 4};
   EXPECT_NE(base, canonicalize(strided).hash);
+}
+
+namespace {
+constexpr uint64_t kP1 = 0x9E3779B185EBCA87ull, kP2 = 0xC2B2AE3D27D4EB4Full;
+
+/// XXH64's accumulator of \p lane (seed 0) after the stripes before \p stripe of \p bytes.
+uint64_t xxLane(const std::string &bytes, size_t lane, size_t stripe) {
+  const uint64_t init[4] = {kP1 + kP2, kP2, 0, 0 - kP1};
+  uint64_t acc = init[lane];
+  for (size_t s = 0; s < stripe; ++s) {
+    uint64_t word = llvm::support::endian::read64le(bytes.data() + 32 * s + 8 * lane);
+    acc += word * kP2;
+    acc = (acc << 31) | (acc >> 33);
+    acc *= kP1;
+  }
+  return acc;
+}
+
+/// What identified a graph before BLAKE2b: two XXH64s of its bytes behind a leading salt word,
+/// 0 for one and a constant for the other.
+std::pair<uint64_t, uint64_t> xxIdentity(const std::string &bytes) {
+  std::string salted(8, '\0');
+  salted += bytes;
+  uint64_t first = llvm::xxHash64(salted);
+  uint64_t salt = 0x9e3779b97f4a7c15ull;
+  std::memcpy(&salted[0], &salt, sizeof salt);
+  return {first, llvm::xxHash64(salted)};
+}
+} // namespace
+
+TEST(Graph, AGraphForgedToCollideUnderXxHashGetsItsOwnDigest) {
+  // The attack that a 128-bit xxHash identity allowed: an XXH64 lane step is invertible, so a
+  // free double in the same lane as a changed input size cancels the change, in both passes
+  // at once (they differ only in lane 0). Graph B's input is 8 wide, A's 64, and B would run
+  // A's compiled code. The digest now tells them apart.
+  auto make = [](int64_t width, double c, int strings) {
+    Graph g;
+    TensorMeta in;
+    in.dtype = dtype::Float;
+    in.sizes = {4, width};
+    in.strides = {1, 4}; // a transposed input: only the size changes with the width
+    g.inputs = {in};
+    Node n;
+    n.op = Symbol::get("aten::forged_op0"); // 16 bytes: the words after it stay aligned
+    n.operands = {0};
+    n.args = {Arg::ref(Arg::Kind::Tensor, 0)};
+    for (int k = 0; k < strings; ++k) { // shifts the doubles by 8 bytes
+      n.strings.push_back("12345678");
+      n.args.push_back(Arg::ref(Arg::Kind::Str, k));
+    }
+    for (int k = 0; k < 4; ++k)
+      n.args.push_back(Arg::real(k == 0 ? c : 1.0));
+    TensorMeta out = in;
+    out.sizes = {4, 64};
+    n.outputs = {out};
+    g.nodes.push_back(n);
+    g.outputs = {1};
+    return g;
+  };
+  const double seedValue = 0.5;
+  uint64_t seedBits;
+  std::memcpy(&seedBits, &seedValue, sizeof seedBits);
+  bool forged = false;
+  for (int strings = 0; strings < 2 && !forged; ++strings) {
+    Graph a = make(64, seedValue, strings), b = make(8, seedValue, strings);
+    std::string bytesA = canonicalBytes(a), bytesB = canonicalBytes(b);
+    ASSERT_EQ(bytesA.size(), bytesB.size());
+    // Offsets in the salted buffer (8 bytes longer) of the changed word and of the double.
+    size_t changed = 8 + size_t(std::mismatch(bytesA.begin(), bytesA.end(), bytesB.begin()).first -
+                                bytesA.begin());
+    size_t changedWord = changed / 8 * 8;
+    size_t fix = 8 + bytesA.find(std::string(reinterpret_cast<const char *>(&seedBits), 8));
+    size_t lane = fix % 32 / 8, full = (bytesA.size() + 8) / 32 * 32;
+    if (lane == 0 || changedWord % 32 / 8 != lane || fix / 32 <= changedWord / 32 || fix + 8 > full)
+      continue;
+    std::string salted = std::string(8, '\0');
+    uint64_t accA = xxLane(salted + bytesA, lane, fix / 32);
+    uint64_t accB = xxLane(salted + bytesB, lane, fix / 32);
+    uint64_t inverse = kP2; // of kP2 modulo 2^64, by Newton's iteration
+    for (int k = 0; k < 6; ++k)
+      inverse *= 2 - kP2 * inverse;
+    uint64_t forgedBits = seedBits + (accA - accB) * inverse;
+    double forgedValue;
+    std::memcpy(&forgedValue, &forgedBits, sizeof forgedValue);
+    b = make(8, forgedValue, strings);
+    EXPECT_EQ(xxIdentity(canonicalBytes(a)), xxIdentity(canonicalBytes(b)));
+    EXPECT_FALSE(sameStructure(a, b));
+    EXPECT_NE(hashGraph(a), hashGraph(b));
+    forged = true;
+  }
+  EXPECT_TRUE(forged);
+}
+
+TEST(Graph, HashIsBlake2b256OfTheCanonicalBytesAndPrintsAs64HexDigits) {
+  Hash256 h = hashGraph(mulAdd());
+  EXPECT_EQ(h.hex().size(), 64u);
+  Hash256 parsed;
+  ASSERT_TRUE(Hash256::parse(h.hex(), parsed));
+  EXPECT_EQ(parsed, h);
+  EXPECT_FALSE(Hash256::parse(h.hex().substr(0, 32), parsed));
+  EXPECT_NE(hashGraph(mulAdd()), hashGraph(mulAdd(meta({4, 9}))));
 }
 
 TEST(Graph, SameStructureComparesEverythingTheHashCovers) {
@@ -82,7 +187,7 @@ TEST(Graph, LiftedScalarValuesAreNotHashedButConstantsAre) {
     return canonicalize(g).hash;
   };
   // A lifted scalar is a slot: its value travels with each run, so any lr gives one graph.
-  Hash128 lifted = withAlpha(Arg::ref(Arg::Kind::Scalar, 0));
+  Hash256 lifted = withAlpha(Arg::ref(Arg::Kind::Scalar, 0));
   EXPECT_EQ(lifted, withAlpha(Arg::ref(Arg::Kind::Scalar, 0)));
   // A semantic constant (a dim, an eps) is part of the structure.
   EXPECT_NE(withAlpha(Arg::real(0.5)), withAlpha(Arg::real(0.25)));

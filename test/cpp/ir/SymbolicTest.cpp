@@ -104,7 +104,7 @@ TEST(Symbolic, AGenerationStepGeneralizesToOneSymbol) {
   EXPECT_EQ(fit.graph->symbolCount, 1u);
   EXPECT_EQ(verifyStructure(*fit.graph), "");
   EXPECT_EQ(fit.symbols, (llvm::SmallVector<int64_t, 4>{6}));
-  Hash128 symbolic = fit.hash;
+  Hash256 symbolic = fit.hash;
   for (int64_t n : {7, 50, 1, 5}) {
     ASSERT_TRUE(fitOf(families, decode(n), fit)) << n;
     EXPECT_FALSE(fit.isNew);
@@ -139,7 +139,7 @@ TEST(Symbolic, AGuessFromTooFewShapesIsRefinedNotTrusted) {
   ShapeFamilies::Fit fit;
   EXPECT_FALSE(fitOf(families, batch(32, 64), fit));
   ASSERT_TRUE(fitOf(families, batch(32, 128), fit)); // only t varied: b stays 32
-  Hash128 first = fit.hash;
+  Hash256 first = fit.hash;
   EXPECT_EQ(fit.graph->symbolCount, 1u);
   ASSERT_TRUE(fitOf(families, batch(32, 96), fit));
   EXPECT_EQ(fit.hash, first);
@@ -148,7 +148,7 @@ TEST(Symbolic, AGuessFromTooFewShapesIsRefinedNotTrusted) {
   EXPECT_TRUE(fit.isNew);
   EXPECT_NE(fit.hash, first);
   EXPECT_EQ(fit.graph->symbolCount, 2u);
-  Hash128 second = fit.hash;
+  Hash256 second = fit.hash;
   for (auto [b, t] : {std::pair<int64_t, int64_t>{8, 7}, {32, 64}, {3, 3}}) {
     ASSERT_TRUE(fitOf(families, batch(b, t), fit));
     Graph back = *fit.graph;
@@ -164,7 +164,7 @@ TEST(Symbolic, AMismatchAnywhereRunsTheGraphAsItself) {
   ShapeFamilies::Fit fit;
   fitOf(families, decode(5), fit);
   ASSERT_TRUE(fitOf(families, decode(6), fit));
-  Hash128 symbolic = fit.hash;
+  Hash256 symbolic = fit.hash;
   // The same skeleton, but a slice end that does not follow the cache length (x[:, :, 1:3]).
   Graph odd = decode(9);
   odd.nodes[1].args[3] = Arg::integer(3);
@@ -241,7 +241,7 @@ TEST(Symbolic, TwoShapesOfASquareAreASquareNotALine) {
   ShapeFamilies::Fit fit;
   EXPECT_FALSE(fitOf(families, scores(4, 128), fit));
   ASSERT_TRUE(fitOf(families, scores(4, 96), fit));
-  Hash128 first = fit.hash;
+  Hash256 first = fit.hash;
   EXPECT_NE(text(*fit.graph).find("f32[4,s0,s0]"), std::string::npos) << text(*fit.graph);
   ASSERT_TRUE(fitOf(families, scores(4, 64), fit));
   EXPECT_FALSE(fit.isNew);
@@ -258,7 +258,7 @@ TEST(Symbolic, DeclaredDynamicSizesMakeTheFirstGraphSymbolic) {
   EXPECT_TRUE(fit.fromHints);
   EXPECT_EQ(fit.graph->symbolCount, 2u);
   EXPECT_NE(text(*fit.graph).find("[s0*s1]) : f32[s0*s1]"), std::string::npos) << text(*fit.graph);
-  const Hash128 symbolic = fit.hash;
+  const Hash256 symbolic = fit.hash;
   for (auto [b, t] : {std::pair<int64_t, int64_t>{17, 96}, {8, 7}, {32, 64}}) {
     ASSERT_TRUE(fitOf(families, batch(b, t), fit)) << b << "x" << t;
     EXPECT_FALSE(fit.isNew);
@@ -274,7 +274,7 @@ TEST(Symbolic, AWrongDeclarationCostsAGraphNotAResult) {
   const uint32_t hinted[] = {0};
   ASSERT_TRUE(fitOf(families, scores(8, 5), fit, hinted));
   EXPECT_TRUE(fit.fromHints);
-  const Hash128 guessed = fit.hash;
+  const Hash256 guessed = fit.hash;
   ASSERT_TRUE(fitOf(families, scores(4, 5), fit, hinted));
   EXPECT_TRUE(fit.isNew);
   EXPECT_FALSE(fit.fromHints); // generalized from the two shapes seen

@@ -102,7 +102,7 @@ void defineIn(wire::Command::Builder cmd, const ir::Graph &g) {
 }
 
 /// Fills \p cmd with a Run of \p hash on \p inputs, binding \p outputs handles from \p first.
-void runIn(wire::Command::Builder cmd, const ir::Hash128 &hash, std::vector<uint64_t> inputs,
+void runIn(wire::Command::Builder cmd, const ir::Hash256 &hash, std::vector<uint64_t> inputs,
            uint64_t first, uint64_t outputs) {
   auto run = cmd.initRun();
   wire::encodeHash(hash, run.initHash());
@@ -204,7 +204,7 @@ public:
   std::vector<float> squareOnServer() {
     uint64_t in = next_++, out = next_++;
     ir::Graph g = square();
-    ir::Hash128 hash = ir::hashGraph(g);
+    ir::Hash256 hash = ir::hashGraph(g);
     auto reply = send(true, 5, [&](auto cmds) {
       float data[3] = {1, 2, 3};
       auto up = cmds[0].initUpload();
@@ -397,7 +397,7 @@ TEST(Faults, ADefineNamingAnUnknownOpIsAnErrorAndTheSessionGoesOn) {
   bad.hello();
   ir::Graph g = square();
   g.nodes[0].op = ir::Symbol::get("aten::definitely_not_an_op");
-  ir::Hash128 hash = ir::hashGraph(g);
+  ir::Hash256 hash = ir::hashGraph(g);
   auto reply = bad.send(true, 1, [&](auto cmds) {
     auto def = cmds[0].initDefine();
     wire::encodeHash(hash, def.initHash());
@@ -421,7 +421,7 @@ TEST(Faults, ADefineOfFromFileIsRefusedByName) {
   n.outputs = {vec3()};
   g.nodes.push_back(n);
   g.outputs = {0};
-  ir::Hash128 hash = ir::hashGraph(g);
+  ir::Hash256 hash = ir::hashGraph(g);
   auto reply = bad.send(true, 3, [&](auto cmds) {
     auto def = cmds[0].initDefine();
     wire::encodeHash(hash, def.initHash());
@@ -453,7 +453,7 @@ TEST(Faults, RunsNamingUnknownGraphsOrHandlesAreErrors) {
   EXPECT_NE(Peer::errorOf(*unknownHash).find("unknown graph"), std::string::npos);
 
   ir::Graph g = square();
-  ir::Hash128 hash = ir::hashGraph(g);
+  ir::Hash256 hash = ir::hashGraph(g);
   auto unknownHandle = bad.send(true, 2, [&](auto cmds) {
     defineIn(cmds[0], g);
     runIn(cmds[1], hash, {424242}, 6, 1);
@@ -749,11 +749,50 @@ TEST(Faults, ARunOfAnUnknownGraphPoisonsABoundedNumberOfOutputs) {
   expectGoodSessionUnaffected();
 }
 
+TEST(Faults, PoisonedHandlesAreChargedAndCappedPerSession) {
+  // 200 Runs of an unknown graph in one small frame would bind 200 x 65536 poisoned handles;
+  // each costs the session 96 bytes of its --session-memory, and it may hold --max-handles
+  // (1048576): past that a bind is an error (the Run's outputs are not kept), and the session
+  // goes on.
+  double before = serverRssMiB();
+  Beside beside;
+  Peer bad;
+  bad.hello();
+  auto reply = bad.send(true, 200, [](auto cmds) {
+    for (uint32_t k = 0; k < 200; ++k) {
+      auto run = cmds[k].initRun();
+      wire::encodeHash({9, 9}, run.initHash());
+      run.setFirstOutput(1 + uint64_t(k) * 65536);
+      run.setNumOutputs(65536);
+    }
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("unknown graph"), std::string::npos);
+  EXPECT_LT(serverRssMiB() - before, 200.0); // not 13 million handles' ~1.2 GB
+  auto held = [&] { // (handles, bytes) the session holds
+    auto r = bad.send(true, 1, [](auto cmds) { cmds[0].setStats(); });
+    auto message = net::openFrame(*r, wire::Limits());
+    auto stats = message->getRoot<wire::ServerFrame>().getResults()[0].getStats();
+    return std::make_pair(stats.getSessionTensors(), stats.getSessionMemory());
+  };
+  EXPECT_EQ(held().first, 1u << 20);
+  EXPECT_GE(held().second, (uint64_t(1) << 20) * 96);
+  bad.send(false, 1, [](auto cmds) {
+    auto ranges = cmds[0].initReleaseRanges(2);
+    ranges.set(0, 1);
+    ranges.set(1, 1u << 20);
+  });
+  EXPECT_EQ(held(), std::make_pair(uint64_t(0), uint64_t(0)));
+  EXPECT_EQ(bad.squareOnServer(), (std::vector<float>{1, 4, 9}));
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
 TEST(Faults, ARunWhoseOutputCountDisagreesWithItsGraphIsAnError) {
   Peer bad;
   bad.hello();
   ir::Graph g = square();
-  ir::Hash128 hash = ir::hashGraph(g);
+  ir::Hash256 hash = ir::hashGraph(g);
   auto reply = bad.send(true, 2, [&](auto cmds) {
     defineIn(cmds[0], g);
     runIn(cmds[1], hash, {1}, 2, 1000);
@@ -769,7 +808,7 @@ TEST(Faults, RelativeRunsThatDisagreeAreErrorsAndForgetWhatTheyWereRelativeTo) {
   Peer bad;
   bad.hello();
   ir::Graph g = square();
-  ir::Hash128 hash = ir::hashGraph(g);
+  ir::Hash256 hash = ir::hashGraph(g);
   const float data[3] = {1, 2, 3};
   auto relative = [&](uint64_t first, std::vector<int64_t> deltas, std::vector<uint32_t> slots,
                       std::vector<uint16_t> values) {
@@ -1170,11 +1209,11 @@ TEST(Faults, ARunCannotNameOrDetectAnotherSessionsGraph) {
   expectGoodSessionUnaffected();
   Peer bad;
   bad.hello();
-  auto runOf = [&](const ir::Hash128 &hash) {
+  auto runOf = [&](const ir::Hash256 &hash) {
     auto reply = bad.send(true, 1, [&](auto cmds) { runIn(cmds[0], hash, {100}, 9000, 1); });
     return reply ? Peer::errorOf(*reply) : std::string("no reply");
   };
-  ir::Hash128 known = ir::hashGraph(square()), never = {0x1234, 0x5678};
+  ir::Hash256 known = ir::hashGraph(square()), never = {0x1234, 0x5678};
   EXPECT_EQ(runOf(known), "unknown graph " + known.hex());
   EXPECT_EQ(runOf(never), "unknown graph " + never.hex());
   // Defining it itself, the session gets the shared plan (a graph is compared in full before
@@ -1364,11 +1403,50 @@ HelloAnswer helloWithId(Peer &peer, const std::string &id, uint64_t resumeFrom) 
   return a;
 }
 
+TEST(Faults, ResumeTakeoversWaitOffTheWorkerPool) {
+  // A resume Hello for a session still attached closes that session's connection and waits
+  // for it to be parked, which only a pool thread does: four such Hellos once held all four
+  // workers for 30 s, and every other session with them. Now they wait off the pool.
+  Beside beside;
+  std::vector<std::unique_ptr<Peer>> owners, takers;
+  auto idOf = [](int k) { return std::string("takeover-id-000") + char('0' + k); };
+  for (int k = 0; k < 4; ++k) {
+    owners.push_back(std::make_unique<Peer>());
+    ASSERT_TRUE(helloWithId(*owners.back(), idOf(k), 0).ok);
+  }
+  for (int k = 0; k < 4; ++k) {
+    takers.push_back(std::make_unique<Peer>());
+    takers.back()->setSeq(~uint64_t(0));
+    std::string id = idOf(k);
+    ASSERT_TRUE(takers.back()->send(true, 1, [&](auto cmds) {
+      auto h = cmds[0].initHello();
+      h.setProtocol(wire::kProtocolVersion);
+      h.setSessionId(kj::arrayPtr(reinterpret_cast<const kj::byte *>(id.data()), id.size()));
+      h.setResumeFrom(1);
+    }, true, /*wait=*/false));
+  }
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(good().squareOnServer(), (std::vector<float>{1, 4, 9}));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+  for (int k = 0; k < 4; ++k) {
+    auto reply = takers[k]->receive();
+    ASSERT_TRUE(reply);
+    auto r = net::openFrame(*reply, wire::Limits());
+    auto results = r->getRoot<wire::ServerFrame>().getResults();
+    ASSERT_EQ(results.size(), 1u);
+    EXPECT_TRUE(results[0].getHello().getResumed()) << k;
+    EXPECT_TRUE(owners[k]->closedByServer()) << k;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
 TEST(Faults, AResumedSessionNeverRunsAFrameTwiceAndNeedsItsId) {
   Beside beside;
   const std::string id = "0123456789abcdef";
   ir::Graph g = square();
-  const ir::Hash128 hash = ir::hashGraph(g);
+  const ir::Hash256 hash = ir::hashGraph(g);
   const float data[3] = {1, 2, 3};
   auto squareInPlace = [&](auto cmds) { runIn(cmds[0], hash, {70}, 70, 1); };
   {

@@ -147,12 +147,12 @@ TEST(Compiler, APackageRunsOnlyWhereItsRangesAndTiesHold) {
   ir::Graph symbolic =
       ir::makeSymbolic(g, 2, {{0, sym(0)}, {2, sym(1)}, {4, sym(0)}, {6, sym(1)}});
   std::string error;
-  auto plan = server::Plan::build(std::move(symbolic), error);
+  std::shared_ptr<const server::Plan> plan = server::Plan::build(std::move(symbolic), error);
   ASSERT_TRUE(plan) << error;
   server::Specialization spec;
   spec.ranges = {{0, 2, 100}, {1, 0, -1}};
   spec.relations = {{1, 0, 1, 1}};
-  server::CompiledGraph compiled(nullptr, spec);
+  server::CompiledGraph compiled(nullptr, spec, ir::canonicalBytes(plan->graph()), plan);
   auto inputs = [](int64_t a, int64_t b) {
     return std::vector<server::Entry>{{at::zeros({a}), nullptr}, {at::zeros({b}), nullptr}};
   };
@@ -164,4 +164,38 @@ TEST(Compiler, APackageRunsOnlyWhereItsRangesAndTiesHold) {
   std::vector<server::Entry> strided = {{at::zeros({10}).slice(0, 0, 10, 2), nullptr},
                                         {at::zeros({6}), nullptr}};
   EXPECT_FALSE(compiled.accepts(*plan, {}, {5, 6}, strided)); // not the layout it was built for
+}
+
+TEST(Compiler, APackageRunsOnlyForTheGraphItRecordsAndInputsOfItsMetas) {
+  // A package is found by its graph's digest; what it runs for is the graph it records.
+  auto relu = [](int64_t n) {
+    ir::Graph g;
+    g.inputs = {meta({n})};
+    g.nodes.push_back(node("aten::relu", {0}, {t(0)}, {meta({n})}));
+    g.outputs = {1};
+    return g;
+  };
+  std::string error;
+  std::shared_ptr<const server::Plan> plan = server::Plan::build(relu(64), error);
+  ASSERT_TRUE(plan) << error;
+  server::CompiledGraph compiled(nullptr, {}, ir::canonicalBytes(plan->graph()), plan);
+  EXPECT_TRUE(compiled.compiledFrom(plan));
+  std::shared_ptr<const server::Plan> again = server::Plan::build(relu(64), error);
+  EXPECT_TRUE(compiled.compiledFrom(again)); // the same graph, planned again
+  std::shared_ptr<const server::Plan> smaller = server::Plan::build(relu(8), error);
+  EXPECT_FALSE(compiled.compiledFrom(smaller));
+  EXPECT_TRUE(compiled.compiledFrom(plan));
+  // Inputs of other metas never reach the package (its loader is never called here).
+  std::vector<server::Entry> outputs;
+  for (at::Tensor wrong : {at::zeros({8}), at::zeros({64}, at::kDouble),
+                           at::zeros({128}).slice(0, 0, 128, 2)}) {
+    try {
+      compiled.run(*plan, {{wrong, nullptr}}, {}, outputs);
+      ADD_FAILURE() << "ran on " << wrong.sizes() << " " << wrong.strides();
+    } catch (const std::runtime_error &e) {
+      EXPECT_NE(std::string(e.what()).find("is not the compiled graph's f32[64]"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
