@@ -2,6 +2,7 @@
 // it, and encoding and decoding it as the Cap'n Proto Define that ships it once. And the cost of
 // an upload compressed by byte plane, both ways, on a batch of float32 noise and of token ids.
 #include "rgpu/ir/Graph.h"
+#include "rgpu/net/Seal.h"
 #include "rgpu/wire/Planes.h"
 #include "rgpu/wire/Wire.h"
 
@@ -11,6 +12,7 @@
 #include <llvm/Support/xxhash.h>
 
 #include <cstring>
+#include <memory>
 #include <random>
 
 using namespace rgpu;
@@ -159,12 +161,55 @@ void BM_DecodePlanes(benchmark::State &state) {
 }
 } // namespace
 
+/// Sealing and opening a TCP session's bytes (rgpu/net/Seal.h) on one core: \p state.range(0)
+/// bytes at a time (a small control frame, a 1 MiB upload chunk).
+void BM_Seal(benchmark::State &state) {
+  const std::string plain(size_t(state.range(0)), 'x');
+  net::Sealer sealer(net::deriveKeys("token", "challenge", "nonce").clientToServer);
+  std::string out;
+  for (auto _ : state) {
+    out.clear();
+    sealer.seal(plain.data(), plain.size(), out);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetBytesProcessed(state.iterations() * state.range(0));
+}
+
+void BM_Open(benchmark::State &state) {
+  const std::string plain(size_t(state.range(0)), 'x');
+  const net::SessionKeys keys = net::deriveKeys("token", "challenge", "nonce");
+  std::unique_ptr<net::Opener> opener;
+  std::vector<std::string> records(64);
+  std::string out;
+  size_t next = records.size();
+  for (auto _ : state) {
+    if (next == records.size()) { // a fresh stream once every record was opened
+      state.PauseTiming();
+      net::Sealer sealer(keys.clientToServer);
+      opener = std::make_unique<net::Opener>(keys.clientToServer);
+      std::string header = sealer.seal(""); // the stream's header alone
+      opener->open(header.data(), header.size(), out);
+      for (std::string &r : records)
+        r = sealer.seal(plain);
+      next = 0;
+      state.ResumeTiming();
+    }
+    out.clear();
+    if (!opener->open(records[next].data(), records[next].size(), out))
+      state.SkipWithError("a record did not open");
+    ++next;
+  }
+  state.SetBytesProcessed(state.iterations() * state.range(0));
+}
+
 BENCHMARK(BM_Canonicalize5000)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Hash5000)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_CanonicalBytes5000)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_XxHashPair5000)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Encode5000)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Decode5000)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Seal)->Arg(256)->Arg(1 << 20);
+BENCHMARK(BM_Open)->Arg(256)->Arg(1 << 20);
 BENCHMARK(BM_EncodePlanes)->Arg(4)->Arg(8)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodePlanes)->Arg(4)->Arg(8)->Unit(benchmark::kMicrosecond);
 

@@ -631,6 +631,9 @@ FrameOutcome Session::serve(const net::Frame &frame) {
   }
   if (greeted_ && seq > lastSeq_)
     lastSeq_ = seq;
+  if (keys_ && fatal.empty() && (greeted_ || adopted_))
+    outcome.keys = std::move(keys_);
+  keys_.reset();
   if (!wantReply)
     return outcome;
 
@@ -691,7 +694,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
     // The reply the client lost in the drop, if it did, follows the Hello's.
     for (const auto &[kept, bytes] : adopted_->replies_)
       if (kept >= resumeFrom_)
-        outcome.reply += *bytes;
+        outcome.resent += *bytes;
     outcome.adopted = std::move(adopted_);
   }
   return outcome;
@@ -881,6 +884,7 @@ void Session::hello(wire::Hello::Reader r, std::string &fatal, std::string &serv
       return;
     }
     serverMac = net::auth::serverMac(admission_.token, admission_.challenge, nonce);
+    keys_ = net::deriveKeys(admission_.token, admission_.challenge, nonce);
   }
   if (r.getProtocol() != wire::kProtocolVersion) {
     fatalKind_ = wire::Error::Kind::VERSION;

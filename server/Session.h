@@ -163,6 +163,11 @@ struct FrameOutcome {
   /// The frame (a Hello taking over a session still attached) was not served: serve it again
   /// after Context::wakeDeferred. Nothing of it has run.
   bool deferred = false;
+  /// A TCP Hello was accepted: what is sent after its reply is sealed, and what arrives after
+  /// it opened, under these keys (rgpu/net/Seal.h).
+  std::optional<net::SessionKeys> keys;
+  /// A resume's replies the client may have lost, sent after \p reply (and sealed if \p keys).
+  std::string resent;
 };
 
 /// How a session's peer proves who it is, decided by the transport it came in on.
@@ -254,6 +259,8 @@ private:
   /// it holds one of its principal's pending takeovers.
   std::optional<std::chrono::steady_clock::time_point> deferredSince_;
   bool holdsTakeover_ = false, deferHello_ = false;
+  /// The keys of an accepted TCP Hello, until its reply hands them to the connection.
+  std::optional<net::SessionKeys> keys_;
   /// How long a resume Hello waits for the session it takes over to be parked.
   static constexpr auto kTakeoverWait = std::chrono::seconds(30);
   void fillHello(wire::HelloReply::Builder h, const std::string &serverMac);

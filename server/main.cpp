@@ -178,31 +178,54 @@ struct Slot {
   size_t loopWrites = 0;    ///< under writeMu: writes handed to the loop and not yet done
   std::atomic<uint64_t> directWriteMs{0}; ///< when a pool thread last sent (uv_hrtime, ms)
 
-  /// Sends as much of \p bytes as the socket takes now, if the loop has nothing of this
-  /// connection to write; the rest, if any, goes to \p post (under writeMu, so that nothing
-  /// overtakes it). Returns false, having sent nothing, if the loop must write all of it.
-  template <class Post> bool sendDirect(const std::string &bytes, Post post) {
+  /// Seals what is sent once the session's keys are set (its Hello over TCP). Under writeMu:
+  /// what is sealed first is written first.
+  std::unique_ptr<net::Sealer> sealer;
+  /// Opens what arrives after that Hello: made by the pool thread, taken by the loop.
+  std::unique_ptr<net::Opener> pendingOpener; ///< under mu
+
+  /// Sends \p bytes (a reply; null or empty for none) behind everything sent before, and
+  /// closes the connection after it if \p close: itself when \p direct and the loop has
+  /// nothing of this connection to write, else (and whatever the socket does not take now)
+  /// through the loop, by \p post(bytes, close). Sealed when the session's frames are; \p keys
+  /// (a TCP Hello's) seal and open what comes after these bytes.
+  template <class Post>
+  void send(std::shared_ptr<const std::string> bytes, bool close, bool direct, Post post,
+            const net::SessionKeys *keys = nullptr) {
     std::lock_guard<std::mutex> lock(writeMu);
-    if (fd < 0 || loopWrites > 0)
-      return false;
+    if (bytes && bytes->empty())
+      bytes = nullptr;
+    if (bytes && sealer)
+      bytes = std::make_shared<const std::string>(sealer->seal(*bytes));
+    if (keys) {
+      // Before the Hello's answer leaves: the client's first sealed byte may come at once.
+      sealer = std::make_unique<net::Sealer>(keys->serverToClient);
+      std::lock_guard<std::mutex> opening(mu);
+      pendingOpener = std::make_unique<net::Opener>(keys->clientToServer);
+    }
     size_t sent = 0;
-    while (sent < bytes.size()) {
-      ssize_t n = ::send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n > 0)
-        sent += size_t(n);
-      else if (n < 0 && errno == EINTR)
-        continue;
-      else
-        break; // full, or an error the loop's write will meet and report
+    if (bytes && direct && !close && fd >= 0 && loopWrites == 0) {
+      while (sent < bytes->size()) {
+        ssize_t n = ::send(fd, bytes->data() + sent, bytes->size() - sent,
+                           MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0)
+          sent += size_t(n);
+        else if (n < 0 && errno == EINTR)
+          continue;
+        else
+          break; // full, or an error the loop's write will meet and report
+      }
+      if (sent > 0)
+        directWriteMs = uv_hrtime() / 1000000;
+      if (sent == bytes->size())
+        return;
     }
-    if (sent == 0)
-      return false;
-    directWriteMs = uv_hrtime() / 1000000;
-    if (sent < bytes.size()) {
+    if (bytes) {
       ++loopWrites;
-      post(std::make_shared<const std::string>(bytes.substr(sent)));
+      if (sent > 0)
+        bytes = std::make_shared<const std::string>(bytes->substr(sent));
     }
-    return true;
+    post(std::move(bytes), close);
   }
 };
 
@@ -219,6 +242,8 @@ struct Connection {
   uint64_t acceptedMs = 0, lastByteMs = 0;
   Server *server = nullptr;
   net::FrameDecoder decoder;
+  std::unique_ptr<net::Opener> opener; ///< once its TCP Hello set the session's keys
+  std::string opened;                  ///< what the last read opened
   std::shared_ptr<Slot> slot;
   std::list<Connection *>::iterator unauthenticated; ///< its place in Server::waiting
   bool waiting = false;                               ///< in Server::waiting
@@ -447,24 +472,20 @@ void serveSlots(Server *server) {
     }
     // Set before the reply is posted: the loop reads it when it lets larger frames in.
     slot->greeted = slot->session->greeted();
-    if (!out.reply.empty() || out.close || slot->readPaused) {
+    if (!out.reply.empty() || out.close || slot->readPaused || out.keys) {
       auto bytes = std::make_shared<const std::string>(std::move(out.reply));
       if (out.seq && !bytes->empty() && slot->session->resumable())
         slot->session->keepReply(out.seq, bytes);
-      auto post = [&](std::shared_ptr<const std::string> rest) {
-        slot->outBytes += rest->size();
-        server->post({slot->connId, std::move(rest), false});
+      auto post = [&](std::shared_ptr<const std::string> rest, bool close) {
+        slot->outBytes += rest ? rest->size() : 0;
+        server->post({slot->connId, std::move(rest), close});
       };
-      bool sent = !bytes->empty() && !out.close && !slot->readPaused &&
-                  slot->sendDirect(*bytes, post);
-      if (!sent) {
-        if (!bytes->empty()) {
-          std::lock_guard<std::mutex> lock(slot->writeMu);
-          ++slot->loopWrites;
-        }
-        slot->outBytes += bytes->size();
-        server->post({slot->connId, bytes->empty() ? nullptr : bytes, out.close});
-      }
+      const bool resent = !out.resent.empty();
+      slot->send(bytes, out.close && !resent, !slot->readPaused, post,
+                 out.keys ? &*out.keys : nullptr);
+      if (resent)
+        slot->send(std::make_shared<const std::string>(std::move(out.resent)), out.close,
+                   !slot->readPaused, post);
     }
     {
       std::lock_guard<std::mutex> lock(slot->mu);
@@ -556,7 +577,24 @@ void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
       leaveWaiting(c);
     c->decoder.setMaxFrameBytes(greeted ? c->server->ctx->limits().maxFrameBytes
                                         : c->server->limits.helloFrameBytes);
-    if (!c->decoder.feed(buf->base, n)) {
+    if (!c->opener) {
+      std::lock_guard<std::mutex> lock(c->slot->mu);
+      c->opener = std::move(c->slot->pendingOpener);
+    }
+    const char *bytes = buf->base;
+    size_t length = size_t(n);
+    if (c->opener) {
+      c->opened.clear();
+      if (!c->opener->open(buf->base, length, c->opened)) {
+        log(c->slot->peer + ": " + c->opener->error() + "; closing the connection");
+        closeConnection(c);
+        free(buf->base);
+        return;
+      }
+      bytes = c->opened.data();
+      length = c->opened.size();
+    }
+    if (!c->decoder.feed(bytes, length)) {
       log(c->slot->peer + ": " + c->decoder.error() +
           (greeted ? "" : " (before its Hello was accepted)") + "; closing the connection");
       closeConnection(c);
@@ -820,8 +858,17 @@ void onTick(uv_timer_t *t) {
       busy.push_back(c);
   }
   for (Connection *c : busy) {
-    c->slot->outBytes += heartbeat->size();
-    write(c, heartbeat, false);
+    std::shared_ptr<const std::string> beat = heartbeat;
+    {
+      std::lock_guard<std::mutex> lock(c->slot->writeMu);
+      if (c->slot->loopWrites > 0) // bytes are on their way already
+        continue;
+      if (c->slot->sealer)
+        beat = std::make_shared<const std::string>(c->slot->sealer->seal(*heartbeat));
+      ++c->slot->loopWrites;
+    }
+    c->slot->outBytes += beat->size();
+    write(c, std::move(beat), false, /*counted=*/true);
   }
   server->wakeDeferred(); // a resume's deadline may have passed
   if (size_t n = server->ctx->expireParked())

@@ -88,6 +88,11 @@ std::string Transport::address() const {
   return env && *env ? env : "unix:" + net::auth::defaultSocketPath();
 }
 
+std::string Transport::failed() const {
+  const std::string &why = socket_.error();
+  return why.empty() ? "the connection failed" : "the connection failed: " + why;
+}
+
 void Transport::lose(const std::string &why) {
   // Before a first Hello was accepted there was no session, and nothing on the server to lose.
   lostReason_ = "rgpu session lost: " + why +
@@ -121,9 +126,12 @@ void Transport::leaveInherited() {
 bool Transport::open(std::string &error, int timeoutMs) {
   forksAtOpen_ = gForks.load(std::memory_order_relaxed);
   decoder_ = std::make_unique<net::FrameDecoder>(limits_.maxFrameBytes);
-  return tcp_ ? socket_.connect(endpoint_.host, endpoint_.port, error, reconnectSeconds_,
-                                timeoutMs)
-              : socket_.connectUnix(endpoint_.path, error);
+  if (!tcp_)
+    return socket_.connectUnix(endpoint_.path, error);
+  if (!socket_.connect(endpoint_.host, endpoint_.port, error, reconnectSeconds_, timeoutMs))
+    return false;
+  socket_.readFramesExactly(); // until the Hello's keys seal the rest
+  return true;
 }
 
 void Transport::connect() {
@@ -242,6 +250,8 @@ Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &w
                            "holds the token from " + source + ": it is not the rgpu-opserver "
                            "you meant, or it has another token");
   }
+  if (tcp_) // everything after the Hello travels sealed, under keys of this Hello
+    socket_.seal(net::deriveKeys(token, challenge, nonce));
   std::string theirs = hr.getTorchVersion();
   if (minorOf(theirs) != minorOf(bridge::torchVersion()))
     lose("version mismatch: this client runs torch " + bridge::torchVersion() +
@@ -307,7 +317,7 @@ bool Transport::poll(net::Frame &out) {
       return false;
     if (status != net::Socket::Status::Ok) {
       recover(status == net::Socket::Status::Closed ? "the connection closed"
-                                                     : "the connection failed",
+                                                     : failed(),
               Clock::now());
       continue;
     }
@@ -362,7 +372,7 @@ net::Frame Transport::receive(uint64_t seq,
     bool silent = status == net::Socket::Status::Timeout;
     recover(silent ? "no answer for " + seconds(silenceMs / 1000.0)
             : status == net::Socket::Status::Closed ? std::string("the connection closed")
-                                                   : std::string("the connection failed"),
+                                                   : failed(),
             silent ? heard : Clock::now());
     heard = Clock::now();
   }

@@ -198,6 +198,16 @@ void Socket::close() {
   if (fd_ >= 0)
     ::close(fd_);
   fd_ = -1;
+  sealer_.reset();
+  opener_.reset();
+  error_.clear();
+  exact_ = false;
+}
+
+void Socket::seal(const SessionKeys &keys) {
+  sealer_ = std::make_unique<Sealer>(keys.clientToServer);
+  opener_ = std::make_unique<Opener>(keys.serverToClient);
+  exact_ = false;
 }
 
 namespace {
@@ -287,7 +297,11 @@ bool Socket::connectUnix(const std::string &path, std::string &error) {
   return true;
 }
 
-bool Socket::sendAll(const std::string &data) {
+bool Socket::sendAll(const std::string &plain) {
+  std::string sealed;
+  if (sealer_)
+    sealer_->seal(plain.data(), plain.size(), sealed);
+  const std::string &data = sealer_ ? sealed : plain;
   size_t off = 0;
   while (off < data.size()) {
     ssize_t n = ::send(fd_, data.data() + off, data.size() - off, MSG_NOSIGNAL);
@@ -322,15 +336,26 @@ Socket::Status Socket::receive(FrameDecoder &decoder, Frame &out, int timeoutMs,
       return Status::Timeout;
     if (rc < 0)
       return Status::Error;
-    ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+    const size_t want = exact_ ? std::min<uint64_t>(sizeof buf, decoder.bytesToFrameEnd())
+                               : sizeof buf;
+    ssize_t n = ::recv(fd_, buf, want, 0);
     if (n < 0 && errno == EINTR)
       continue;
     if (n == 0)
       return Status::Closed;
     if (n < 0)
       return Status::Error;
-    if (!decoder.feed(buf, n))
+    if (opener_) {
+      opened_.clear();
+      if (!opener_->open(buf, size_t(n), opened_)) {
+        error_ = opener_->error();
+        return Status::Error;
+      }
+    }
+    if (!(opener_ ? decoder.feed(opened_.data(), opened_.size()) : decoder.feed(buf, n))) {
+      error_ = decoder.error();
       return Status::Error;
+    }
   }
   return Status::Ok;
 }

@@ -10,6 +10,7 @@ here=$(dirname "$0")
 case $target in
   graph_fuzz) seeds=$here/corpus/frame ;;
   planes_fuzz) seeds=$here/corpus/planes ;;
+  seal_fuzz) seeds=$here/corpus/seal ;;
   *) seeds=$here/corpus/stream ;;
 esac
 mkdir -p "$build/corpus/$target" "$here/regressions/$target"

@@ -252,3 +252,114 @@ while True:
         assert not os.path.exists(where[5:])  # the tunnel's socket is gone with it
     finally:
         server.stop()
+
+
+class Mangler:
+    """A TCP relay that, once `after` bytes have gone from client to server (the Hello and
+    more), does `how` to the next chunk it forwards that way: "flip" a bit, "replay" it (sends
+    it twice) or "swap" it with the one after; with `how` None it only keeps what it forwards,
+    both ways, in `seen`."""
+
+    def __init__(self, target, how=None, after=0):
+        self.target, self.how, self.after = target, how, after
+        self.seen = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.done = False
+        import threading
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        import threading
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src, dst, up):
+        seen, held = 0, None
+        while True:
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                return
+            self.seen.append(data)
+            if up and self.how and not self.done and seen >= self.after:
+                if self.how == "flip":
+                    data = data[:-1] + bytes([data[-1] ^ 1])
+                    self.done = True
+                elif self.how == "replay":
+                    data = data + data
+                    self.done = True
+                elif held is None:  # swap: hold this chunk, send it after the next
+                    held = data
+                    continue
+                else:
+                    data, held = data + held, None
+                    self.done = True
+            seen += len(data)
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+
+@pytest.mark.parametrize("how", ["flip", "replay", "swap"])
+def test_frames_after_the_hello_are_sealed_and_a_tampered_one_ends_the_connection(how):
+    # Over TCP everything after the Hello is sealed under keys of that Hello: a record changed,
+    # replayed or reordered on the way does not open, the server says so and ends that
+    # connection, and the client's session resumes on a new one (new keys), computing right.
+    server = Server()
+    try:
+        mangler = Mangler(("127.0.0.1", server.port), how, after=600)
+        code = ("import torch, rgpu\n"
+                "x = torch.arange(6., device='rgpu')\n"
+                "total = 0.0\n"
+                "for k in range(40):\n"
+                "    x = x * 1.5 - k\n"
+                "    total += x.sum().item()\n"
+                "want, y = 0.0, torch.arange(6.)\n"
+                "for k in range(40):\n"
+                "    y = y * 1.5 - k\n"
+                "    want += y.sum().item()\n"
+                "print(total == want, rgpu.server_stats()['resumes'])\n")
+        r = run_client(mangler.address, code, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert mangler.done
+        same, resumes = r.stdout.split()
+        assert same == "True" and int(resumes) >= 1, r.stdout
+        wait_for_log(server, "does not open")
+        assert any("does not open: it was tampered with, replayed, reordered" in line
+                   or "no peer seals" in line for line in server.log), server.log
+    finally:
+        server.stop()
+
+
+def test_a_sealed_session_carries_no_plaintext_after_its_hello():
+    # What a passive observer of the link sees after the Hello: no frame magic, no tensor bytes.
+    server = Server()
+    try:
+        relay = Mangler(("127.0.0.1", server.port))
+        marker = 0x5A17C0DE
+        code = ("import torch, rgpu\n"
+                f"x = torch.full((1024,), {marker}, dtype=torch.int64).to('rgpu')\n"
+                "print(int((x + 1).sum().item()))\n")
+        r = run_client(relay.address, code, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert int(r.stdout) == (marker + 1) * 1024
+        stream = b"".join(relay.seen)
+        assert marker.to_bytes(8, "little") * 4 not in stream
+        assert stream.count(b"RGPU") <= 3, stream.count(b"RGPU")  # challenge, Hello, its reply
+    finally:
+        server.stop()

@@ -42,6 +42,9 @@ public:
   /// RGPU_OPSERVER as it is when connecting, else the default Unix socket.
   void setAddress(std::string address) { wanted_ = std::move(address); }
   std::string address() const;
+  /// "the connection failed", with what the bytes said when they said why (a sealed record
+  /// that does not open, a frame the decoder refused).
+  std::string failed() const;
 
   bool connected() const { return socket_.connected(); }
   /// After SessionLost, every call raises it again with this reason, until reset().

@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "rgpu/net/Seal.h"
 #include "rgpu/wire/Wire.h"
 
 #include <capnp/message.h>
@@ -52,6 +53,10 @@ public:
   const std::string &error() const { return error_; }
   /// Bytes of the frame being assembled still to come (0 between frames).
   uint64_t pendingBytes() const { return inFrame_ ? current_.bytes - filled_ : 0; }
+  /// Bytes still to come before the frame being read (its header first) is complete.
+  uint64_t bytesToFrameEnd() const {
+    return inFrame_ ? current_.bytes - filled_ : kHeaderBytes - headerFill_;
+  }
   /// Bytes allocated for the frame being assembled: what has arrived, give or take a factor
   /// of 4, never the length its header announced.
   uint64_t bufferedBytes() const { return inFrame_ ? current_.words.size() * 8 : 0; }
@@ -91,15 +96,29 @@ public:
   /// Connects to the Unix-domain socket at \p path.
   bool connectUnix(const std::string &path, std::string &error);
   bool connected() const { return fd_ >= 0; }
+  /// Closes the connection; a new one starts unsealed.
   void close();
+  /// Until seal(), receive() reads no byte past the frame it completes: the server's sealed
+  /// bytes may follow its answer to the Hello at once, and must not be read as plaintext.
+  void readFramesExactly() { exact_ = true; }
+  /// From now on, everything sent is sealed under \p keys.clientToServer and everything
+  /// received opened under \p keys.serverToClient (rgpu/net/Seal.h).
+  void seal(const SessionKeys &keys);
   /// Sends all of \p data; false if the peer is gone.
   bool sendAll(const std::string &data);
   /// Receives one frame, waiting at most \p timeoutMs (negative: forever). Without \p spin,
   /// it does not poll RGPU_SPIN_US first: timeout 0 then only takes what has arrived.
   Status receive(FrameDecoder &decoder, Frame &out, int timeoutMs, bool spin = true);
+  /// Why the last receive() failed with Error, when the bytes said so (a record that does not
+  /// open, a frame the decoder refused); empty for a failure of the connection itself.
+  const std::string &error() const { return error_; }
 
 private:
   int fd_ = -1;
+  std::unique_ptr<Sealer> sealer_;
+  std::unique_ptr<Opener> opener_;
+  std::string opened_, error_;
+  bool exact_ = false;
   /// How long receive() polls without sleeping before it blocks: RGPU_SPIN_US, else 1000.
   int spinMicros_ = defaultSpin();
   static int defaultSpin();
