@@ -89,20 +89,20 @@ const std::string &processorName() {
 
 } // namespace
 
-void apply(c10::Device dev, wire::MemoryRequest::Reader request) {
-  if (!dev.is_cuda()) {
-    if (request.getResetPeak())
-      memory::resetPeak();
+void apply(c10::Device dev, wire::MemoryRequest::Reader request, memory::Account &account,
+           bool deviceWide) {
+  if (request.getResetPeak())
+    account.peak = account.held.load();
+  if (!dev.is_cuda())
     return;
-  }
   c10::DeviceAllocator *allocator = c10::getDeviceAllocator(c10::kCUDA);
   if (request.getEmptyCache())
     allocator->emptyCache();
-  if (request.getResetPeak())
+  if (request.getResetPeak() && deviceWide)
     allocator->resetPeakStats(dev.index());
 }
 
-void figures(c10::Device dev, wire::DeviceMemory::Builder out) {
+void figures(c10::Device dev, wire::DeviceMemory::Builder out, const memory::Account &account) {
   out.setDevice(dev.str());
   if (dev.is_cuda()) {
     c10::DeviceAllocator *allocator = c10::getDeviceAllocator(c10::kCUDA);
@@ -119,10 +119,10 @@ void figures(c10::Device dev, wire::DeviceMemory::Builder out) {
     return;
   }
   // A CPU server: libtorch's CPU allocator caches nothing, so reserved is what is held.
-  const uint64_t held = memory::held(), peak = memory::peak();
-  out.setAllocated(held);
+  const uint64_t held = memory::held(), mine = account.held, peak = account.peak;
+  out.setAllocated(mine);
   out.setAllocatedPeak(peak);
-  out.setReserved(held);
+  out.setReserved(mine);
   out.setReservedPeak(peak);
   const uint64_t page = sysconf(_SC_PAGESIZE);
   uint64_t total = uint64_t(sysconf(_SC_PHYS_PAGES)) * page;

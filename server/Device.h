@@ -3,11 +3,13 @@
 // What torch.rgpu's memory functions and get_device_name/get_device_properties read, answered
 // for the server's device. On CUDA the figures are the caching allocator's and the driver's,
 // for the whole server process (as torch.cuda's are for the whole process). A CPU server
-// answers with the bytes all sessions hold (server/Memory.h, peak included), the machine's
-// physical memory under --memory-limit, and its processor.
+// answers with the bytes the asking session holds and its peak (server/Memory.h), as a local
+// process sees its own, the machine's physical memory under --memory-limit, and its processor.
 //
 //===----------------------------------------------------------------------===//
 #pragma once
+
+#include "Memory.h"
 
 #include "rgpu/wire/Wire.h"
 
@@ -21,10 +23,13 @@ class Tensor;
 
 namespace rgpu::server::device {
 
-/// Resets the peaks and empties the allocator's cache of \p dev, as far as \p request asks.
-void apply(c10::Device dev, wire::MemoryRequest::Reader request);
-/// Fills \p out with the figures of \p dev.
-void figures(c10::Device dev, wire::DeviceMemory::Builder out);
+/// Resets the peaks and empties the allocator's cache of \p dev, as far as \p request asks:
+/// the peak of the session's \p account, and a CUDA device's peaks when \p deviceWide (every
+/// session open is of the asking principal: another's figures are never reset).
+void apply(c10::Device dev, wire::MemoryRequest::Reader request, memory::Account &account,
+           bool deviceWide);
+/// Fills \p out with the figures of \p dev, as the session of \p account sees them.
+void figures(c10::Device dev, wire::DeviceMemory::Builder out, const memory::Account &account);
 
 /// Host memory for a transfer to or from \p dev: pinned for a CUDA device (the copy engine
 /// reads it directly, without a bounce through pageable memory).

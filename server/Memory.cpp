@@ -20,7 +20,7 @@ struct Block {
 
 namespace {
 
-std::atomic<uint64_t> gLimit{0}, gHeld{0}, gPeak{0};
+std::atomic<uint64_t> gLimit{0}, gHeld{0};
 
 /// Bounds on the blocks kept for reuse: per session, and by all sessions together (the server
 /// may hold this much beyond what sessions hold). A decoding step's tensors fit many times
@@ -168,7 +168,6 @@ public:
       block.deleter = inner.get_deleter();
       block.context = inner.release_context();
     }
-    raisePeak(gPeak, gHeld.load());
     if (account)
       raisePeak((*account)->peak, (*account)->held.load());
     new (headerOf(block.data))
@@ -213,7 +212,6 @@ void install(uint64_t limit) {
 
 void charge(Account &account, uint64_t bytes) {
   chargeOrThrow(&account, bytes);
-  raisePeak(gPeak, gHeld.load());
   raisePeak(account.peak, account.held.load());
 }
 void credit(Account &account, uint64_t bytes) { creditBytes(&account, bytes); }
@@ -221,8 +219,6 @@ void credit(Account &account, uint64_t bytes) { creditBytes(&account, bytes); }
 uint64_t limit() { return gLimit; }
 uint64_t held() { return gHeld; }
 uint64_t kept() { return gKept; }
-uint64_t peak() { return gPeak; }
-void resetPeak() { gPeak = gHeld.load(); }
 
 Charge::Charge(const std::shared_ptr<Account> &account) : previous_(tCurrent) {
   tCurrent = &account;

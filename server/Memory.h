@@ -56,9 +56,6 @@ uint64_t limit();
 uint64_t held();
 /// The bytes of the blocks sessions freed and their accounts keep for reuse.
 uint64_t kept();
-/// The most held() has been since the start or the last resetPeak().
-uint64_t peak();
-void resetPeak();
 
 /// While a Charge lives, this thread's CPU allocations are charged to \p account.
 class Charge {

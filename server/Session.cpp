@@ -190,22 +190,37 @@ std::shared_ptr<memory::Account> Context::openAccount() {
   account->quota = budgets.sessionMemory;
   std::lock_guard<std::mutex> lock(accountsMu_);
   accounts_.erase(std::remove_if(accounts_.begin(), accounts_.end(),
-                                 [](const auto &a) { return a.expired(); }),
+                                 [](const auto &a) { return a.first.expired(); }),
                   accounts_.end());
-  accounts_.push_back(account);
+  accounts_.push_back({account, ""});
   return account;
 }
 
-std::vector<uint64_t> Context::sessionMemories() {
+void Context::own(const memory::Account &account, const std::string &principal) {
+  std::lock_guard<std::mutex> lock(accountsMu_);
+  for (auto &[weak, owner] : accounts_)
+    if (auto a = weak.lock(); a.get() == &account)
+      owner = principal;
+}
+
+std::vector<uint64_t> Context::sessionMemories(const std::string &principal) {
   std::vector<uint64_t> held;
   {
     std::lock_guard<std::mutex> lock(accountsMu_);
-    for (const auto &weak : accounts_)
-      if (auto a = weak.lock())
+    for (const auto &[weak, owner] : accounts_)
+      if (auto a = weak.lock(); a && owner == principal)
         held.push_back(a->held);
   }
   std::sort(held.rbegin(), held.rend());
   return held;
+}
+
+bool Context::onlyPrincipal(const std::string &principal) {
+  std::lock_guard<std::mutex> lock(accountsMu_);
+  for (const auto &[weak, owner] : accounts_)
+    if (!weak.expired() && !owner.empty() && owner != principal)
+      return false;
+  return true;
 }
 
 std::shared_ptr<const Plan> Context::define(const ir::Hash256 &hash, ir::Graph graph,
@@ -491,7 +506,8 @@ FrameOutcome Session::serve(const net::Frame &frame) {
                   std::to_string(ctx_.devices().size()) + " devices";
           break;
         }
-        device::apply(ctx_.devices()[index], cmd.getMemory());
+        device::apply(ctx_.devices()[index], cmd.getMemory(), *account_,
+                      ctx_.onlyPrincipal(principal()));
         results.push_back({wire::Result::MEMORY, nullptr, {}});
         results.back().device = index;
         break;
@@ -651,7 +667,9 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       break;
     }
     case wire::Result::STATS: stats(rs[i].initStats()); break;
-    case wire::Result::MEMORY: device::figures(ctx_.devices()[item.device], rs[i].initMemory()); break;
+    case wire::Result::MEMORY:
+      device::figures(ctx_.devices()[item.device], rs[i].initMemory(), *account_);
+      break;
     case wire::Result::TEXT: rs[i].setText(item.text); break;
     case wire::Result::RNG_STATE: {
       auto g = rs[i].initRngState();
@@ -826,7 +844,7 @@ void Session::stats(wire::ServerStats::Builder out) {
   out.setMemoryHeld(memory::held());
   out.setMemoryKept(memory::kept());
   out.setMemoryLimit(memory::limit());
-  std::vector<uint64_t> memories = ctx_.sessionMemories();
+  std::vector<uint64_t> memories = ctx_.sessionMemories(principal());
   auto ms = out.initSessionMemories(memories.size());
   for (size_t i = 0; i < memories.size(); ++i)
     ms.set(i, memories[i]);
@@ -874,17 +892,23 @@ void Session::hello(wire::Hello::Reader r, std::string &fatal, std::string &serv
       return std::string(reinterpret_cast<const char *>(d.begin()), d.size());
     };
     std::string nonce = bytes(r.getClientNonce());
-    if (!r.hasAuthMac() || nonce.size() != net::auth::kNonceBytes ||
-        !net::auth::sameMac(bytes(r.getAuthMac()),
-                            net::auth::clientMac(admission_.token, admission_.challenge, nonce))) {
+    // Every principal's MAC is computed and compared: the time taken says nothing of which.
+    const Principal *proved = nullptr;
+    if (r.hasAuthMac() && nonce.size() == net::auth::kNonceBytes && admission_.principals)
+      for (const Principal &p : *admission_.principals)
+        if (net::auth::sameMac(bytes(r.getAuthMac()),
+                               net::auth::clientMac(p.token, admission_.challenge, nonce)))
+          proved = &p;
+    if (!proved) {
       fatalKind_ = wire::Error::Kind::AUTH;
       fatal = r.hasAuthMac() ? "authentication failed: the client's token is not this server's"
                              : "authentication failed: this server needs a token over TCP, and "
                                "the client sent none";
       return;
     }
-    serverMac = net::auth::serverMac(admission_.token, admission_.challenge, nonce);
-    keys_ = net::deriveKeys(admission_.token, admission_.challenge, nonce);
+    serverMac = net::auth::serverMac(proved->token, admission_.challenge, nonce);
+    keys_ = net::deriveKeys(proved->token, admission_.challenge, nonce);
+    principal_ = proved->name;
   }
   if (r.getProtocol() != wire::kProtocolVersion) {
     fatalKind_ = wire::Error::Kind::VERSION;
@@ -932,6 +956,7 @@ void Session::hello(wire::Hello::Reader r, std::string &fatal, std::string &serv
     return;
   }
   greeted_ = counted_ = true;
+  ctx_.own(*account_, principal_);
 }
 
 void Session::define(wire::Define::Reader r) {

@@ -103,8 +103,12 @@ public:
 
   /// A new session's memory account, listed for sessionMemories.
   std::shared_ptr<memory::Account> openAccount();
-  /// The bytes each open session holds, largest first.
-  std::vector<uint64_t> sessionMemories();
+  /// Records whose session \p account is (its principal), once its Hello said.
+  void own(const memory::Account &account, const std::string &principal);
+  /// The bytes each open session of \p principal holds, largest first.
+  std::vector<uint64_t> sessionMemories(const std::string &principal);
+  /// True if every open session is \p principal's: a device-wide figure it resets is its own.
+  bool onlyPrincipal(const std::string &principal);
 
   std::atomic<uint64_t> planBuilds{0}, graphRuns{0}, compiledRuns{0}, sessions{0},
       planEvictions{0};
@@ -137,7 +141,8 @@ private:
   size_t sweptAt_ = 0;
   void keep(const std::shared_ptr<const Plan> &plan); // under mu_
   std::mutex accountsMu_;
-  std::vector<std::weak_ptr<memory::Account>> accounts_;
+  /// Every open session's account and its principal (under accountsMu_).
+  std::vector<std::pair<std::weak_ptr<memory::Account>, std::string>> accounts_;
   struct Parked {
     std::unique_ptr<Session> session;
     std::chrono::steady_clock::time_point deadline;
@@ -170,12 +175,18 @@ struct FrameOutcome {
   std::string resent;
 };
 
+/// A name and the token that proves it: who a TCP session belongs to.
+struct Principal {
+  std::string name, token;
+};
+
 /// How a session's peer proves who it is, decided by the transport it came in on.
 struct Admission {
   /// Empty: the peer is already known (a Unix-socket peer of this server's uid). Else the
-  /// challenge sent to a TCP peer, which its Hello must answer with a MAC under \p token.
+  /// challenge sent to a TCP peer, which its Hello must answer with a MAC under the token of
+  /// one of \p principals.
   std::string challenge;
-  std::string token;
+  std::shared_ptr<const std::vector<Principal>> principals;
 };
 
 class Session {
@@ -195,8 +206,9 @@ public:
   /// Its client gave it an id and has not said Bye: it is parked when its connection ends.
   bool resumable() const { return greeted_ && !id_.empty() && !ended_; }
   const std::string &id() const { return id_; }
-  /// Who may resume it: "uid" (a Unix-socket peer of the server's uid) or "token".
-  std::string principal() const { return admission_.challenge.empty() ? "uid" : "token"; }
+  /// Who may resume it, list it in STATS or reset its peaks: "uid" (a Unix-socket peer of the
+  /// server's uid) or the principal whose token its TCP Hello proved.
+  const std::string &principal() const { return principal_; }
   /// Parked: no connection's end cancels its commands any more.
   void detach();
   /// Resumed on a new connection.
@@ -240,6 +252,7 @@ private:
   Context &ctx_;
   std::string peer_;
   Admission admission_;
+  std::string principal_ = "uid";
   const std::atomic<bool> *cancelled_;
   bool greeted_ = false;
   bool counted_ = false;     ///< Holds a place of --max-connections (greetedSessions).

@@ -26,8 +26,11 @@
 #include <uv.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
+#include <filesystem>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -64,7 +67,12 @@ options:
                          (a challenge answered with HMAC-SHA-256; the token never travels)
   --bind ADDR            address for TCP (default 127.0.0.1; implies --port 9720)
   --token-file PATH      the token TCP clients need (default $XDG_CONFIG_HOME/rgpu/token,
-                         else ~/.config/rgpu/token); created, mode 0600, if missing
+                         else ~/.config/rgpu/token); created, mode 0600, if missing. Its
+                         sessions belong to the principal named by the file's name
+  --tokens-dir DIR       more principals: each file in DIR is one's token, named by the
+                         file's name (e.g. DIR/alice; mode 0600, of this user). A session
+                         is resumed, listed in stats and has its peaks reset only by its
+                         own principal
   --compiler inductor|plan
                          how graphs are executed. plan runs libtorch kernels through a
                          plan of resolved operator handles. inductor (the default when
@@ -229,6 +237,8 @@ struct Slot {
   }
 };
 
+namespace fs = std::filesystem;
+
 struct Connection {
   /// The stream: TCP or a Unix-domain socket (both begin with a uv_stream_t).
   union {
@@ -290,7 +300,8 @@ struct Server {
   uv_loop_t *loop;
   std::vector<std::unique_ptr<Listener>> listeners;
   std::string socketPath; ///< removed at exit
-  std::string token;      ///< for TCP peers; empty if there is no TCP listener
+  /// Who TCP peers may prove to be; empty if there is no TCP listener.
+  std::shared_ptr<const std::vector<Principal>> principals;
   uv_async_t wake;
   uv_timer_t ticker; ///< heartbeats, and parked sessions whose grace passed
   uv_timer_t exitTimer; ///< started once the CUDA context is lost
@@ -754,7 +765,7 @@ void onConnection(uv_stream_t *stream, int status) {
         uv_ip6_name(reinterpret_cast<sockaddr_in6 *>(&addr), host, sizeof host);
     }
     c->slot->peer = "session " + std::to_string(c->id) + " (" + host + ")";
-    c->slot->admission = {net::auth::randomBytes(net::auth::kNonceBytes), server->token};
+    c->slot->admission = {net::auth::randomBytes(net::auth::kNonceBytes), server->principals};
   }
   const uint64_t tickMs = std::clamp<uint64_t>(
       std::min(server->limits.helloTimeoutMs, server->limits.frameTimeoutMs) / 4, 50, 1000);
@@ -919,6 +930,48 @@ std::string listenUnix(Server &server, const std::string &path) {
 }
 
 /// Listens on TCP \p bind:\p port; \p bound gets the port (for --port 0).
+/// The most principals a server knows: each TCP Hello is checked against all of them.
+constexpr size_t kMaxPrincipals = 1024;
+
+/// Adds a principal for each token file in \p dir (named by the file's name) to \p out.
+bool readPrincipals(const std::string &dir, std::vector<Principal> &out, std::string &error) {
+  std::error_code ec;
+  std::vector<fs::path> files;
+  for (const auto &entry : fs::directory_iterator(dir, ec))
+    if (entry.path().filename().string()[0] != '.')
+      files.push_back(entry.path());
+  if (ec) {
+    error = "cannot read --tokens-dir " + dir + ": " + ec.message();
+    return false;
+  }
+  std::sort(files.begin(), files.end());
+  for (const fs::path &path : files) {
+    std::string name = path.filename().string(), token;
+    if (name.size() > 64 || !std::all_of(name.begin(), name.end(), [](char c) {
+          return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+        })) {
+      error = "--tokens-dir " + dir + ": '" + name + "' is not a principal's name (letters, "
+              "digits, '-', '_' and '.', at most 64)";
+      return false;
+    }
+    if (!net::auth::readToken(path.string(), token, error))
+      return false;
+    for (const Principal &p : out)
+      if (p.name == name || p.token == token) {
+        error = "--tokens-dir " + dir + ": " + name + (p.name == name ? " is named twice" :
+                " has the token of " + p.name) + "; each principal needs a token of its own";
+        return false;
+      }
+    out.push_back({name, token});
+  }
+  if (out.size() > kMaxPrincipals) {
+    error = "--tokens-dir " + dir + " names more than " + std::to_string(kMaxPrincipals) +
+            " principals";
+    return false;
+  }
+  return true;
+}
+
 std::string listenTcp(Server &server, const std::string &bind, int port, int &bound) {
   sockaddr_storage addr{};
   if (uv_ip4_addr(bind.c_str(), port, reinterpret_cast<sockaddr_in *>(&addr)) != 0 &&
@@ -955,7 +1008,7 @@ int fail(const std::string &message) {
 } // namespace
 
 int main(int argc, char **argv) {
-  std::string device, bind, compiler, socketPath, tokenPath;
+  std::string device, bind, compiler, socketPath, tokenPath, tokensDir;
   CompilerOptions compile;
   const char *python = std::getenv("RGPU_PYTHON");
   int port = -1;
@@ -1000,6 +1053,8 @@ int main(int argc, char **argv) {
           return fail("--socket needs an absolute path");
       } else if (a == "--token-file") {
         tokenPath = value();
+      } else if (a == "--tokens-dir") {
+        tokensDir = value();
       } else if (a == "--compiler") {
         compiler = value();
       } else if (a == "--cache-dir") {
@@ -1161,18 +1216,25 @@ int main(int argc, char **argv) {
   if (tcp) {
     if (tokenPath.empty())
       tokenPath = net::auth::defaultTokenPath();
-    std::string error;
+    std::string error, token;
     bool created = false;
-    if (!net::auth::loadOrCreateToken(tokenPath, server.token, created, error))
+    if (!net::auth::loadOrCreateToken(tokenPath, token, created, error))
       return fail(error + " (TCP clients are let in by this token; see --token-file)");
+    std::vector<Principal> principals = {{fs::path(tokenPath).filename().string(), token}};
+    if (!tokensDir.empty() && !readPrincipals(tokensDir, principals, error))
+      return fail(error);
+    server.principals = std::make_shared<const std::vector<Principal>>(std::move(principals));
     int bound = 0;
     if (std::string e = listenTcp(server, bind, port, bound); !e.empty())
       return fail(e);
     where = bind + ":" + std::to_string(bound);
     tokenNote = std::string(created ? "created the token file " : "TCP clients need the token in ") +
-                tokenPath + " (fingerprint " + net::auth::fingerprint(server.token) +
+                tokenPath + " (fingerprint " + net::auth::fingerprint(token) +
                 "): `rgpu-run --host` fetches it over ssh; elsewhere set RGPU_TOKEN or "
                 "RGPU_TOKEN_FILE";
+    if (server.principals->size() > 1)
+      tokenNote += "; and " + std::to_string(server.principals->size() - 1) +
+                   " more principal(s) from " + tokensDir;
   }
   if (!socketPath.empty()) {
     if (std::string e = listenUnix(server, socketPath); !e.empty())

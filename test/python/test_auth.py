@@ -363,3 +363,52 @@ def test_a_sealed_session_carries_no_plaintext_after_its_hello():
         assert stream.count(b"RGPU") <= 3, stream.count(b"RGPU")  # challenge, Hello, its reply
     finally:
         server.stop()
+
+
+def test_each_token_in_the_tokens_dir_is_a_principal_who_sees_only_its_own_sessions(tmp_path):
+    # alice and bob hold tokens of their own; the default token file is a third principal.
+    tokens = tmp_path / "tokens"
+    tokens.mkdir(mode=0o700)
+    for name in ("alice", "bob"):
+        path = tokens / name
+        path.write_text(os.urandom(32).hex() + "\n")
+        path.chmod(0o600)
+    server = Server("--tokens-dir", str(tokens))
+    try:
+        wait_for_log(server, "2 more principal(s) from")
+        hold = ("import sys, time, torch, rgpu\n"
+                "x = torch.ones(4 << 20, device='rgpu')\n"  # 16 MiB
+                "print(x.sum().item(), flush=True)\n"
+                "sys.stdin.readline()\n")
+        env = dict(os.environ, RGPU_OPSERVER=server.address,
+                   RGPU_TOKEN_FILE=str(tokens / "bob"))
+        bob = subprocess.Popen([sys.executable, "-c", hold], env=env, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert bob.stdout.readline().strip() == str(float(4 << 20)), bob.stderr.read()
+            look = ("import torch, rgpu\n"
+                    "torch.rgpu.reset_peak_memory_stats()\n"
+                    "y = torch.ones(1024, device='rgpu')\n"
+                    "y.sum().item()\n"
+                    "stats = rgpu.server_stats()\n"
+                    "print(max(stats['session_memories']), torch.rgpu.max_memory_allocated())\n")
+            r = run_client(server.address, look, env={"RGPU_TOKEN_FILE": str(tokens / "alice")})
+            assert r.returncode == 0, r.stderr
+            biggest, peak = map(int, r.stdout.split())
+            assert biggest < 1 << 20 and peak < 1 << 20, r.stdout  # not bob's 16 MiB
+            r = run_client(server.address, look)  # the default token: neither of them
+            assert r.returncode == 0, r.stderr
+            assert int(r.stdout.split()[0]) < 1 << 20, r.stdout
+        finally:
+            bob.communicate("\n", timeout=60)
+        assert bob.returncode == 0
+        # A token file others can read is refused at start, naming it.
+        (tokens / "carol").write_text(os.urandom(32).hex())
+        (tokens / "carol").chmod(0o644)
+        started = subprocess.run([os.path.join(os.path.dirname(sys.executable), "rgpu-opserver"),
+                                  "--device", "cpu", "--compiler", "plan", "--port", "0",
+                                  "--tokens-dir", str(tokens)],
+                                 capture_output=True, text=True, timeout=60)
+        assert started.returncode != 0 and "carol" in started.stderr, started.stderr
+    finally:
+        server.stop()
