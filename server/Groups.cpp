@@ -6,8 +6,10 @@
 
 #include <llvm/ADT/StringRef.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <set>
 #include <stdexcept>
@@ -19,6 +21,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #endif
 
 namespace rgpu::server {
@@ -55,11 +61,29 @@ std::string Groups::hostStore(const std::string &host, std::chrono::milliseconds
 #ifdef RGPU_WITH_GLOO
   if (s_->hosted)
     return s_->hostedAddress; // one store serves every group of the job
+  // torch's TCPStore listens on every interface; it is handed a socket bound to \p host alone.
+  addrinfo hints{}, *found = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  if (int rc = getaddrinfo(host.c_str(), "0", &hints, &found); rc != 0)
+    throw std::runtime_error("the rendezvous store's address '" + host + "' (--store-host): " +
+                             gai_strerror(rc));
+  int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  bool bound = fd >= 0 && ::bind(fd, found->ai_addr, found->ai_addrlen) == 0 &&
+               ::listen(fd, 128) == 0;
+  freeaddrinfo(found);
+  if (!bound) {
+    std::string why = std::strerror(errno);
+    if (fd >= 0)
+      ::close(fd);
+    throw std::runtime_error("cannot listen on " + host + " for the rendezvous store: " + why);
+  }
   c10d::TCPStoreOptions opts;
   opts.port = 0;
   opts.isServer = true;
   opts.waitWorkers = false;
   opts.timeout = timeout;
+  opts.masterListenFd = fd;
   auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
   s_->hosted = store;
   s_->hostedAddress = host + ":" + std::to_string(store->getPort());
@@ -70,7 +94,7 @@ std::string Groups::hostStore(const std::string &host, std::chrono::milliseconds
 }
 
 std::string Groups::join(const std::string &store, const std::string &prefix, int rank, int size,
-                         std::chrono::milliseconds timeout) {
+                         const std::string &host, std::chrono::milliseconds timeout) {
 #ifdef RGPU_WITH_GLOO
   if (s_->names.size() >= kMaxGroups)
     throw std::runtime_error("a session may join at most " + std::to_string(kMaxGroups) +
@@ -101,15 +125,21 @@ std::string Groups::join(const std::string &store, const std::string &prefix, in
     base = c10::make_intrusive<c10d::TCPStore>(store.substr(0, colon), opts);
   }
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("rgpu/" + prefix, base);
-  auto options = c10d::ProcessGroupGloo::Options::create_default(timeout);
-  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
+  // Gloo listens where the operator said (--store-host), not on whatever the machine's host
+  // name resolves to.
+  auto options = [&] {
+    auto o = c10d::ProcessGroupGloo::Options::create(timeout);
+    o->devices = {c10d::ProcessGroupGloo::createDeviceForHostname(host)};
+    return o;
+  };
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options());
   // Collectives that differ between ranks (a shape, an op) would reach Gloo's I/O thread,
   // which aborts the process on them. So every collective is first checked against the other
   // ranks' through a second, small Gloo group (torch's ProcessGroupWrapper, what
   // TORCH_DISTRIBUTED_DEBUG=DETAIL uses): a mismatch fails that run on every rank.
   auto checks = c10::make_intrusive<c10d::ProcessGroupGloo>(
       c10::make_intrusive<c10d::PrefixStore>("rgpu/" + prefix + "/checks", base), rank, size,
-      c10d::ProcessGroupGloo::Options::create_default(timeout));
+      options());
   auto checked = c10::make_intrusive<c10d::ProcessGroupWrapper>(gloo, checks);
   auto group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
   // Gloo takes CUDA tensors too (through host memory; NCCL would be the fast path).

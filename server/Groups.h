@@ -17,13 +17,14 @@ public:
   Groups();
   ~Groups();
 
-  /// Starts the job's rendezvous store on \p host, on a free port; returns "host:port".
+  /// Starts the job's rendezvous store listening on \p host only, on a free port; returns
+  /// "host:port".
   std::string hostStore(const std::string &host, std::chrono::milliseconds timeout);
   /// Joins a group of \p size servers as \p rank through the store at \p store ("" for the one
-  /// hostStore started), under \p prefix. Blocks until every rank joined or \p timeout passed.
-  /// Returns the group's name for graphs.
+  /// hostStore started), under \p prefix, its Gloo listener bound to \p host only. Blocks
+  /// until every rank joined or \p timeout passed. Returns the group's name for graphs.
   std::string join(const std::string &store, const std::string &prefix, int rank, int size,
-                   std::chrono::milliseconds timeout);
+                   const std::string &host, std::chrono::milliseconds timeout);
   /// An error message if \p graph names a process group this session did not join.
   std::string check(const ir::Graph &graph) const;
 

@@ -607,7 +607,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         results.push_back({wire::Result::TEXT, nullptr, {}, {}});
         results.back().text =
             groups_.join(j.getStore(), j.getPrefix(), int(j.getRank()), int(j.getSize()),
-                         std::chrono::milliseconds(std::min<uint32_t>(
+                         ctx_.storeHost, std::chrono::milliseconds(std::min<uint32_t>(
                              j.getTimeoutMs() ? j.getTimeoutMs() : kGroupTimeoutMs,
                              kGroupTimeoutMs)));
         log(peer_ + ": joined process group " + results.back().text + " as rank " +

@@ -127,10 +127,12 @@ memory and caches (SIZE: a number with a unit, such as 8GiB, 512MiB or 64k):
   --graph-memory SIZE    graphs one session may hold defined (default 64MiB, counted by
                          their size in memory); the client forgets its least recently
                          run graphs to stay under it and defines them again when needed
-  --store-host ADDR      address the rendezvous store of a torch.distributed job listens
-                         on when one of this server's sessions hosts it (default
-                         127.0.0.1; the job's other servers must reach it, and it has no
-                         authentication: use an address only the job's machines reach)
+  --store-host ADDR      the one address this server listens on for the other servers of
+                         a torch.distributed job: the rendezvous store one of its
+                         sessions hosts, and each process group's Gloo connections
+                         (default: the --bind address, else 127.0.0.1). The job's other
+                         servers must reach it; the store has no authentication, so use
+                         an address only the job's machines reach
   --plan-cache SIZE      plans kept for graphs no session holds, least recently defined
                          dropped first (default 256MiB)
   --compiled-cache SIZE  compiled packages loaded at once, by package size (default
@@ -1020,7 +1022,7 @@ int main(int argc, char **argv) {
   const uint64_t physical = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
   limits.maxTensorBytes = physical;
   Budgets budgets;
-  std::string storeHost = "127.0.0.1";
+  std::string storeHost;
   uint64_t memoryLimit = physical / 100 * 85;
   uint64_t sessionGraceMs = 120000;
   auto seconds = [](const std::string &v) { return uint64_t(std::max(0.05, std::stod(v)) * 1000); };
@@ -1167,6 +1169,8 @@ int main(int argc, char **argv) {
     port = 9720;
   if (bind.empty())
     bind = "127.0.0.1";
+  if (storeHost.empty())
+    storeHost = bind;
   if (socketPath.empty() && !tcp)
     socketPath = net::auth::defaultSocketPath();
 

@@ -411,3 +411,59 @@ def test_a_sessions_groups_are_bounded_and_a_client_beside_trains_on(fresh_serve
     out, err = beside.communicate(timeout=120)
     assert beside.returncode == 0 and out.strip() == "True", err
     assert fresh_server.alive()
+
+
+def listening_addresses(pid):
+    """The local addresses of every TCP socket process `pid` listens on, as "a.b.c.d:port"."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    host, port = cols[1].split(":")
+                    if table == "tcp":
+                        host = ".".join(str(int(host[i:i + 2], 16)) for i in (6, 4, 2, 0))
+                    out.append(f"{host}:{int(port, 16)}")
+    return out
+
+
+def test_the_store_and_gloo_listen_only_where_the_operator_said(two_servers):
+    # With --bind 127.0.0.1 (the tests' servers), the rendezvous store and every Gloo listener
+    # a job opens are on 127.0.0.1 too: nothing of the server listens on other interfaces.
+    code = ("import json, sys, torch, torch.distributed as dist, rgpu\n"
+            "dist.init_process_group('rgpu')\n"
+            "t = torch.ones(2, device='rgpu')\n"
+            "dist.all_reduce(t)\n"
+            "print(t.tolist(), flush=True)\n"
+            "sys.stdin.readline()\n"
+            "print(json.dumps(t.tolist()))\n")
+    port = free_port()
+    procs = []
+    addresses = [s.address for s in two_servers]
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   RGPU_OPSERVER=",".join(addresses))
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE))
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "[2.0, 2.0]", p.stderr.read()[-3000:]
+        for server in two_servers:
+            listening = listening_addresses(server.proc.pid)
+            assert len(listening) >= 2, listening  # its own port, and Gloo's (and a store)
+            assert all(a.startswith("127.0.0.1:") for a in listening), listening
+    finally:
+        for p in procs:
+            p.communicate("\n", timeout=120)
+    assert all(p.returncode == 0 for p in procs)
