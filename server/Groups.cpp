@@ -10,9 +10,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <atomic>
+#include <mutex>
 #include <random>
 #include <set>
 #include <stdexcept>
+#include <thread>
 
 #ifdef RGPU_WITH_GLOO
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
@@ -93,8 +96,69 @@ std::string Groups::hostStore(const std::string &host, std::chrono::milliseconds
 #endif
 }
 
-std::string Groups::join(const std::string &store, const std::string &prefix, int rank, int size,
-                         const std::string &host, std::chrono::milliseconds timeout) {
+#ifdef RGPU_WITH_GLOO
+namespace {
+/// The job's store under a key prefix, whose blocking reads give up within kCancelPollMs of
+/// their join being cancelled (the client left), instead of at the join's timeout.
+class CancellableStore : public c10d::PrefixStore {
+public:
+  CancellableStore(std::string prefix, c10::intrusive_ptr<c10d::Store> base,
+                   std::shared_ptr<std::atomic<bool>> cancelled)
+      : PrefixStore(std::move(prefix), std::move(base)), cancelled_(std::move(cancelled)) {}
+
+  std::vector<uint8_t> get(const std::string &key) override {
+    waitFor({key}, getTimeout());
+    return PrefixStore::get(key);
+  }
+  void wait(const std::vector<std::string> &keys) override { waitFor(keys, getTimeout()); }
+  void wait(const std::vector<std::string> &keys,
+            const std::chrono::milliseconds &timeout) override {
+    waitFor(keys, timeout);
+  }
+  std::vector<std::vector<uint8_t>> multiGet(const std::vector<std::string> &keys) override {
+    waitFor(keys, getTimeout());
+    return PrefixStore::multiGet(keys);
+  }
+
+private:
+  void waitFor(const std::vector<std::string> &keys, std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      if (*cancelled_)
+        throw std::runtime_error("the join was cancelled: its client left");
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      try {
+        PrefixStore::wait(keys, std::max(std::chrono::milliseconds(1),
+                                         std::min(left, std::chrono::milliseconds(
+                                                            Groups::kCancelPollMs))));
+        return;
+      } catch (const c10::DistStoreError &) {
+        if (std::chrono::steady_clock::now() >= deadline)
+          throw;
+      }
+    }
+  }
+  std::shared_ptr<std::atomic<bool>> cancelled_;
+};
+} // namespace
+#endif
+
+struct Groups::Join {
+  std::mutex mu;
+  bool ended = false;
+  std::string error;
+#ifdef RGPU_WITH_GLOO
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+#endif
+  std::shared_ptr<std::atomic<bool>> cancelled = std::make_shared<std::atomic<bool>>(false);
+};
+
+std::shared_ptr<Groups::Join> Groups::startJoin(const std::string &store,
+                                                const std::string &prefix, int rank, int size,
+                                                const std::string &host,
+                                                std::chrono::milliseconds timeout,
+                                                std::function<void()> ended) {
 #ifdef RGPU_WITH_GLOO
   if (s_->names.size() >= kMaxGroups)
     throw std::runtime_error("a session may join at most " + std::to_string(kMaxGroups) +
@@ -106,60 +170,101 @@ std::string Groups::join(const std::string &store, const std::string &prefix, in
   if (prefix.size() > kMaxPrefix)
     throw std::runtime_error("a group's key prefix of more than " + std::to_string(kMaxPrefix) +
                              " bytes");
-  c10::intrusive_ptr<c10d::Store> base;
+  c10::intrusive_ptr<c10d::Store> hosted;
+  std::string storeHost;
+  int port = 0;
   if (store.empty()) {
     if (!s_->hosted)
       throw std::runtime_error("this session hosts no rendezvous store (hostStore first)");
-    base = s_->hosted;
+    hosted = s_->hosted;
   } else {
     size_t colon = store.rfind(':');
     if (colon == std::string::npos)
       throw std::runtime_error("the rendezvous store '" + store + "' is not host:port");
-    int port = std::atoi(store.c_str() + colon + 1);
+    port = std::atoi(store.c_str() + colon + 1);
     if (port <= 0 || port > 65535)
       throw std::runtime_error("the rendezvous store '" + store + "' has no valid port");
-    c10d::TCPStoreOptions opts;
-    opts.port = uint16_t(port);
-    opts.isServer = false;
-    opts.timeout = timeout;
-    base = c10::make_intrusive<c10d::TCPStore>(store.substr(0, colon), opts);
+    storeHost = store.substr(0, colon);
   }
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("rgpu/" + prefix, base);
-  // Gloo listens where the operator said (--store-host), not on whatever the machine's host
-  // name resolves to.
-  auto options = [&] {
-    auto o = c10d::ProcessGroupGloo::Options::create(timeout);
-    o->devices = {c10d::ProcessGroupGloo::createDeviceForHostname(host)};
-    return o;
-  };
-  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options());
-  // Collectives that differ between ranks (a shape, an op) would reach Gloo's I/O thread,
-  // which aborts the process on them. So every collective is first checked against the other
-  // ranks' through a second, small Gloo group (torch's ProcessGroupWrapper, what
-  // TORCH_DISTRIBUTED_DEBUG=DETAIL uses): a mismatch fails that run on every rank.
-  auto checks = c10::make_intrusive<c10d::ProcessGroupGloo>(
-      c10::make_intrusive<c10d::PrefixStore>("rgpu/" + prefix + "/checks", base), rank, size,
-      options());
-  auto checked = c10::make_intrusive<c10d::ProcessGroupWrapper>(gloo, checks);
-  auto group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
-  // Gloo takes CUDA tensors too (through host memory; NCCL would be the fast path).
-  for (c10::DeviceType type : {c10::DeviceType::CPU, c10::DeviceType::CUDA})
-    group->setBackend(type, c10d::ProcessGroup::BackendType::GLOO, checked);
-  group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-
-  std::random_device rd;
-  std::uniform_int_distribution<uint64_t> bits;
-  char name[40];
-  std::snprintf(name, sizeof name, "rgpu-%016llx", static_cast<unsigned long long>(bits(rd)));
-  group->setGroupName(name);
-  c10d::register_process_group(name, group);
-  s_->held.push_back(group);
-  s_->names.insert(name);
-  return name;
+  auto join = std::make_shared<Join>();
+  std::thread([join, hosted, storeHost, port, prefix, rank, size, host, timeout,
+               ended = std::move(ended)]() mutable {
+    c10::intrusive_ptr<c10d::ProcessGroup> group;
+    std::string error;
+    try {
+      c10::intrusive_ptr<c10d::Store> base = hosted;
+      if (!base) {
+        c10d::TCPStoreOptions opts;
+        opts.port = uint16_t(port);
+        opts.isServer = false;
+        opts.timeout = timeout;
+        base = c10::make_intrusive<c10d::TCPStore>(storeHost, opts);
+      }
+      auto prefixed =
+          c10::make_intrusive<CancellableStore>("rgpu/" + prefix, base, join->cancelled);
+      // Gloo listens where the operator said (--store-host), not on whatever the machine's
+      // host name resolves to.
+      auto options = [&] {
+        auto o = c10d::ProcessGroupGloo::Options::create(timeout);
+        o->devices = {c10d::ProcessGroupGloo::createDeviceForHostname(host)};
+        return o;
+      };
+      auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options());
+      // Collectives that differ between ranks (a shape, an op) would reach Gloo's I/O thread,
+      // which aborts the process on them. So every collective is first checked against the
+      // other ranks' through a second, small Gloo group (torch's ProcessGroupWrapper, what
+      // TORCH_DISTRIBUTED_DEBUG=DETAIL uses): a mismatch fails that run on every rank.
+      auto checks = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          c10::make_intrusive<CancellableStore>("rgpu/" + prefix + "/checks", base,
+                                                join->cancelled),
+          rank, size, options());
+      auto checked = c10::make_intrusive<c10d::ProcessGroupWrapper>(gloo, checks);
+      group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
+      // Gloo takes CUDA tensors too (through host memory; NCCL would be the fast path).
+      for (c10::DeviceType type : {c10::DeviceType::CPU, c10::DeviceType::CUDA})
+        group->setBackend(type, c10d::ProcessGroup::BackendType::GLOO, checked);
+      group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+    } catch (const c10::Error &e) {
+      error = e.what_without_backtrace();
+    } catch (const std::exception &e) {
+      error = e.what();
+    }
+    {
+      std::lock_guard<std::mutex> lock(join->mu);
+      join->group = std::move(group);
+      join->error = std::move(error);
+      join->ended = true;
+    }
+    ended();
+  }).detach();
+  return join;
 #else
   unavailable();
 #endif
 }
+
+std::optional<std::string> Groups::finish(Join &join) {
+#ifdef RGPU_WITH_GLOO
+  std::lock_guard<std::mutex> lock(join.mu);
+  if (!join.ended)
+    return std::nullopt;
+  if (!join.error.empty())
+    throw std::runtime_error(join.error);
+  std::random_device rd;
+  std::uniform_int_distribution<uint64_t> bits;
+  char name[40];
+  std::snprintf(name, sizeof name, "rgpu-%016llx", static_cast<unsigned long long>(bits(rd)));
+  join.group->setGroupName(name);
+  c10d::register_process_group(name, join.group);
+  s_->held.push_back(std::move(join.group));
+  s_->names.insert(name);
+  return std::string(name);
+#else
+  unavailable();
+#endif
+}
+
+void Groups::cancel(Join &join) { *join.cancelled = true; }
 
 std::string Groups::check(const ir::Graph &graph) const {
   for (const ir::Node &n : graph.nodes) {

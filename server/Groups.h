@@ -3,7 +3,9 @@
 #include "rgpu/ir/Graph.h"
 
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace rgpu::server {
@@ -20,11 +22,21 @@ public:
   /// Starts the job's rendezvous store listening on \p host only, on a free port; returns
   /// "host:port".
   std::string hostStore(const std::string &host, std::chrono::milliseconds timeout);
-  /// Joins a group of \p size servers as \p rank through the store at \p store ("" for the one
-  /// hostStore started), under \p prefix, its Gloo listener bound to \p host only. Blocks
-  /// until every rank joined or \p timeout passed. Returns the group's name for graphs.
-  std::string join(const std::string &store, const std::string &prefix, int rank, int size,
-                   const std::string &host, std::chrono::milliseconds timeout);
+  /// A join in progress: it waits for every rank of its group on a thread of its own, never on
+  /// a worker of the pool.
+  struct Join;
+  /// Starts joining a group of \p size servers as \p rank through the store at \p store (""
+  /// for the one hostStore started), under \p prefix, its Gloo listener bound to \p host
+  /// only, for at most \p timeout. \p ended is called, from the join's thread, when it ends.
+  std::shared_ptr<Join> startJoin(const std::string &store, const std::string &prefix, int rank,
+                                  int size, const std::string &host,
+                                  std::chrono::milliseconds timeout, std::function<void()> ended);
+  /// The group's name for graphs once \p join has ended, the group now this session's; none
+  /// while it waits. Throws the join's error.
+  std::optional<std::string> finish(Join &join);
+  /// Ends a join whose client left: its waits on the store stop within kCancelPollMs.
+  static void cancel(Join &join);
+  static constexpr int kCancelPollMs = 200;
   /// An error message if \p graph names a process group this session did not join.
   std::string check(const ir::Graph &graph) const;
 

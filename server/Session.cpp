@@ -87,20 +87,20 @@ void Context::deactivate(const std::string &id) {
     wakeDeferred();
 }
 
-bool Context::reserveTakeover(const std::string &principal) {
+bool Context::reserveWait(const std::string &principal) {
   std::lock_guard<std::mutex> lock(parkMu_);
-  size_t &n = pendingTakeovers_[principal];
-  if (n >= kMaxPendingTakeovers)
+  size_t &n = pendingWaits_[principal];
+  if (n >= kMaxWaits)
     return false;
   ++n;
   return true;
 }
 
-void Context::releaseTakeover(const std::string &principal) {
+void Context::releaseWait(const std::string &principal) {
   std::lock_guard<std::mutex> lock(parkMu_);
-  auto it = pendingTakeovers_.find(principal);
-  if (it != pendingTakeovers_.end() && --it->second == 0)
-    pendingTakeovers_.erase(it);
+  auto it = pendingWaits_.find(principal);
+  if (it != pendingWaits_.end() && --it->second == 0)
+    pendingWaits_.erase(it);
 }
 
 void Context::loseDevice(const std::string &why) {
@@ -298,8 +298,10 @@ Session::Session(Context &ctx, std::string peer, Admission admission,
 }
 
 Session::~Session() {
-  if (holdsTakeover_)
-    ctx_.releaseTakeover(principal());
+  if (joining_)
+    Groups::cancel(*joining_);
+  if (holdsWait_)
+    ctx_.releaseWait(principal());
   memory::credit(*account_, tensors_.size() * kHandleBytes);
   --ctx_.sessions;
   if (counted_)
@@ -603,14 +605,54 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         results.back().text = groups_.hostStore(ctx_.storeHost, std::chrono::minutes(30));
         break;
       case wire::Command::JOIN_GROUP: {
+        // It waits for the group's other ranks off the worker pool: its frame is deferred
+        // (served again from this command, which must begin it) until the join ends.
+        if (at != 0) {
+          fatal = "a JoinGroup that does not begin its frame";
+          break;
+        }
         auto j = cmd.getJoinGroup();
         results.push_back({wire::Result::TEXT, nullptr, {}, {}});
-        results.back().text =
-            groups_.join(j.getStore(), j.getPrefix(), int(j.getRank()), int(j.getSize()),
-                         ctx_.storeHost, std::chrono::milliseconds(std::min<uint32_t>(
-                             j.getTimeoutMs() ? j.getTimeoutMs() : kGroupTimeoutMs,
-                             kGroupTimeoutMs)));
-        log(peer_ + ": joined process group " + results.back().text + " as rank " +
+        if (!joining_) {
+          if (!ctx_.reserveWait(principal()))
+            throw std::runtime_error(
+                std::to_string(Context::kMaxWaits) + " joins or resumes of this principal are "
+                "waiting already; join once one of them is done");
+          holdsWait_ = true;
+          try {
+            joining_ = groups_.startJoin(
+                j.getStore(), j.getPrefix(), int(j.getRank()), int(j.getSize()),
+                ctx_.storeHost,
+                std::chrono::milliseconds(std::min<uint32_t>(
+                    j.getTimeoutMs() ? j.getTimeoutMs() : kGroupTimeoutMs, kGroupTimeoutMs)),
+                [&ctx = ctx_] {
+                  if (ctx.wakeDeferred)
+                    ctx.wakeDeferred();
+                });
+          } catch (...) {
+            ctx_.releaseWait(principal());
+            holdsWait_ = false;
+            throw;
+          }
+        }
+        std::optional<std::string> name;
+        try {
+          name = groups_.finish(*joining_);
+        } catch (...) {
+          joining_.reset();
+          ctx_.releaseWait(principal());
+          holdsWait_ = false;
+          throw;
+        }
+        if (!name) {
+          outcome.deferred = true;
+          return outcome;
+        }
+        joining_.reset();
+        ctx_.releaseWait(principal());
+        holdsWait_ = false;
+        results.back().text = *name;
+        log(peer_ + ": joined process group " + *name + " as rank " +
             std::to_string(j.getRank()) + " of " + std::to_string(j.getSize()));
         break;
       }
@@ -810,6 +852,15 @@ void Session::fillHello(wire::HelloReply::Builder h, const std::string &serverMa
 
 void Session::detach() {
   cancelled_ = nullptr;
+  // A join ends when its client leaves; a client that resumes sends its JoinGroup again.
+  if (joining_) {
+    Groups::cancel(*joining_);
+    joining_.reset();
+  }
+  if (holdsWait_) {
+    ctx_.releaseWait(principal());
+    holdsWait_ = false;
+  }
   if (counted_) // a parked session is not served: it holds no place of --max-connections
     --ctx_.greetedSessions;
   counted_ = false;
@@ -926,11 +977,11 @@ void Session::hello(wire::Hello::Reader r, std::string &fatal, std::string &serv
       Context::Takeover t = deferredSince_ && now - *deferredSince_ > kTakeoverWait
                                 ? Context::Takeover::Absent
                                 : ctx_.takeParked(id, principal(), adopted_);
-      if (t == Context::Takeover::Wait && !holdsTakeover_) {
-        holdsTakeover_ = ctx_.reserveTakeover(principal());
+      if (t == Context::Takeover::Wait && !holdsWait_) {
+        holdsWait_ = ctx_.reserveWait(principal());
         deferredSince_ = now;
-        if (!holdsTakeover_) {
-          log(peer_ + ": " + std::to_string(Context::kMaxPendingTakeovers) +
+        if (!holdsWait_) {
+          log(peer_ + ": " + std::to_string(Context::kMaxWaits) +
               " resumes of its principal are waiting already; this one is not resumed");
           t = Context::Takeover::Absent;
         }
@@ -939,9 +990,9 @@ void Session::hello(wire::Hello::Reader r, std::string &fatal, std::string &serv
         deferHello_ = true; // served again once the session it takes over is parked
         return;
       }
-      if (holdsTakeover_) {
-        ctx_.releaseTakeover(principal());
-        holdsTakeover_ = false;
+      if (holdsWait_) {
+        ctx_.releaseWait(principal());
+        holdsWait_ = false;
       }
       if (t == Context::Takeover::Taken)
         return; // this session only answered the Hello; the one it found goes on

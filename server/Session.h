@@ -91,10 +91,11 @@ public:
   /// never touched (Absent).
   Takeover takeParked(const std::string &id, const std::string &principal,
                       std::unique_ptr<Session> &out);
-  /// Takeovers one principal may have waiting at once; reserveTakeover is false past it.
-  static constexpr size_t kMaxPendingTakeovers = 4;
-  bool reserveTakeover(const std::string &principal);
-  void releaseTakeover(const std::string &principal);
+  /// Requests one principal may have waiting on the outside world at once (resume takeovers,
+  /// process-group joins); reserveWait is false past it.
+  static constexpr size_t kMaxWaits = 4;
+  bool reserveWait(const std::string &principal);
+  void releaseWait(const std::string &principal);
   /// Drops parked sessions whose grace has passed; returns how many.
   size_t expireParked();
   size_t sessionsParked();
@@ -155,7 +156,7 @@ private:
     bool closing = false; ///< a takeover closed its connection already
   };
   std::map<std::string, Active> active_;      ///< under parkMu_
-  std::map<std::string, size_t> pendingTakeovers_; ///< under parkMu_: by principal
+  std::map<std::string, size_t> pendingWaits_; ///< under parkMu_: by principal
 };
 
 /// The outcome of handling one frame.
@@ -209,7 +210,8 @@ public:
   /// Who may resume it, list it in STATS or reset its peaks: "uid" (a Unix-socket peer of the
   /// server's uid) or the principal whose token its TCP Hello proved.
   const std::string &principal() const { return principal_; }
-  /// Parked: no connection's end cancels its commands any more.
+  /// Parked: no connection's end cancels its commands any more, and a join it was waiting for
+  /// ends.
   void detach();
   /// Resumed on a new connection.
   void attach(std::string peer, const std::atomic<bool> *cancelled);
@@ -269,9 +271,9 @@ private:
   std::unique_ptr<Session> adopted_; ///< What this session's resume Hello found.
   uint64_t resumeFrom_ = 0;
   /// A resume Hello waiting for a takeover (FrameOutcome::deferred): since when, and whether
-  /// it holds one of its principal's pending takeovers.
+  /// it (or a join) holds one of its principal's waits (Context::reserveWait).
   std::optional<std::chrono::steady_clock::time_point> deferredSince_;
-  bool holdsTakeover_ = false, deferHello_ = false;
+  bool holdsWait_ = false, deferHello_ = false;
   /// The keys of an accepted TCP Hello, until its reply hands them to the connection.
   std::optional<net::SessionKeys> keys_;
   /// How long a resume Hello waits for the session it takes over to be parked.
@@ -325,6 +327,8 @@ private:
   void stats(wire::ServerStats::Builder out);
   ErrorPtr pending_; ///< The first error not yet reported to the client.
   Groups groups_;    ///< torch.distributed groups this session joined.
+  /// A JoinGroup waiting for its group's other ranks (its frame deferred until it ends).
+  std::shared_ptr<Groups::Join> joining_;
 };
 
 } // namespace rgpu::server

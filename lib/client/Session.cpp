@@ -1068,6 +1068,10 @@ std::string Session::askText(Command c, const char *reason) {
   Lock lock(*this);
   cut(reason);
   wire::Command::Which kind = c.kind;
+  // A JoinGroup begins its frame: the server serves that frame again from it when the join
+  // ends, so nothing before it may share the frame.
+  if (kind == wire::Command::JOIN_GROUP && !queue_.empty())
+    flush(false);
   queue(std::move(c));
   Reply reply = flush(true);
   if (reply.texts.empty())

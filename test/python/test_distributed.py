@@ -9,6 +9,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -467,3 +468,56 @@ def test_the_store_and_gloo_listen_only_where_the_operator_said(two_servers):
         for p in procs:
             p.communicate("\n", timeout=120)
     assert all(p.returncode == 0 for p in procs)
+
+
+def server_threads(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_joins_wait_off_the_worker_pool_and_end_when_their_client_leaves(fresh_server):
+    # Four sessions each join a group of two whose other rank never comes: the joins wait on
+    # threads of their own (the server has 4 workers, which they once held for the whole
+    # timeout), a fifth of the same principal is refused, a bystander's round trips stay
+    # quick, and a join whose client leaves ends with it.
+    stuck = ("import sys, rgpu\n"
+             "from rgpu import _C\n"
+             "_C.host_store()\n"
+             "print('joining', flush=True)\n"
+             "try:\n"
+             "    _C.join_group('', 'never', 0, 2, 60000)\n"
+             "except rgpu.RemoteError as e:\n"
+             "    print('refused:', e, flush=True)\n")
+    env = dict(os.environ, RGPU_OPSERVER=fresh_server.address)
+    joiners = [subprocess.Popen([sys.executable, "-c", stuck], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for _ in range(4)]
+    try:
+        for p in joiners:
+            assert p.stdout.readline().strip() == "joining", p.stderr.read()
+        time.sleep(1)
+        during = server_threads(fresh_server.proc.pid)
+        fifth = run_client(fresh_server.address, stuck, timeout=60)
+        assert "joins or resumes of this principal are waiting already" in fifth.stdout, (
+            fifth.stdout + fifth.stderr)
+        quick = ("import time, torch, rgpu\n"
+                 "x = torch.ones(3, device='rgpu')\n"
+                 "worst = 0\n"
+                 "for _ in range(20):\n"
+                 "    start = time.monotonic()\n"
+                 "    (x * 2).sum().item()\n"
+                 "    worst = max(worst, time.monotonic() - start)\n"
+                 "print(worst)\n")
+        r = run_client(fresh_server.address, quick, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert float(r.stdout) < 1.0, r.stdout
+    finally:
+        for p in joiners:
+            p.kill()
+            p.wait()
+    # Each join's thread (and the Gloo device it made) ends within a second of its client.
+    deadline = time.time() + 10
+    while server_threads(fresh_server.proc.pid) > during - 4 and time.time() < deadline:
+        time.sleep(0.1)
+    assert server_threads(fresh_server.proc.pid) <= during - 4, (during,)
+    assert fresh_server.alive()
