@@ -210,11 +210,12 @@ void install(uint64_t limit) {
   });
 }
 
-void charge(Account &account, uint64_t bytes) {
-  chargeOrThrow(&account, bytes);
-  raisePeak(account.peak, account.held.load());
+void charge(Account *account, uint64_t bytes) {
+  chargeOrThrow(account, bytes);
+  if (account)
+    raisePeak(account->peak, account->held.load());
 }
-void credit(Account &account, uint64_t bytes) { creditBytes(&account, bytes); }
+void credit(Account *account, uint64_t bytes) { creditBytes(account, bytes); }
 
 uint64_t limit() { return gLimit; }
 uint64_t held() { return gHeld; }

@@ -41,12 +41,13 @@ struct Account {
   std::unique_ptr<Kept> kept;
 };
 
-/// Charges \p bytes that a session holds outside libtorch's allocator (its table of tensor
-/// handles) to \p account and the server, as an allocation of that size would be: throws
-/// c10::OutOfMemoryError, charging nothing, past the quota or the limit.
-void charge(Account &account, uint64_t bytes);
+/// Charges \p bytes held outside libtorch's allocator (a session's table of tensor handles, a
+/// connection's frames in flight) to \p account (null: to no session) and the server, as an
+/// allocation of that size would be: throws c10::OutOfMemoryError, charging nothing, past the
+/// quota or the limit.
+void charge(Account *account, uint64_t bytes);
 /// Gives back what charge() took.
-void credit(Account &account, uint64_t bytes);
+void credit(Account *account, uint64_t bytes);
 
 /// Installs the accounting allocator (once; later calls only change the limit). \p limit is
 /// the server's total in bytes, 0 for none.

@@ -302,7 +302,7 @@ Session::~Session() {
     Groups::cancel(*joining_);
   if (holdsWait_)
     ctx_.releaseWait(principal());
-  memory::credit(*account_, tensors_.size() * kHandleBytes);
+  memory::credit(account_.get(), tensors_.size() * kHandleBytes);
   --ctx_.sessions;
   if (counted_)
     --ctx_.greetedSessions;
@@ -788,7 +788,7 @@ void Session::bind(uint64_t handle, Entry e) {
       if (tensors_.size() > ctx_.budgets.maxHandles)
         throw std::runtime_error("it holds " + std::to_string(ctx_.budgets.maxHandles) +
                                  " tensor handles, the most a session may (--max-handles)");
-      memory::charge(*account_, kHandleBytes);
+      memory::charge(account_.get(), kHandleBytes);
     } catch (const std::exception &ex) {
       tensors_.erase(it);
       const c10::Error *ce = dynamic_cast<const c10::Error *>(&ex);
@@ -803,7 +803,7 @@ void Session::bind(uint64_t handle, Entry e) {
 
 void Session::release(uint64_t handle) {
   if (tensors_.erase(handle))
-    memory::credit(*account_, kHandleBytes);
+    memory::credit(account_.get(), kHandleBytes);
   if (handle == stagedHandle_)
     staged_ = at::Tensor();
 }
@@ -840,6 +840,7 @@ void Session::fillHello(wire::HelloReply::Builder h, const std::string &serverMa
     devices.set(i, ctx_.devices()[i].str());
   h.setCompiler(ctx_.compiler() ? "inductor" : "plan");
   h.setGraphBudget(ctx_.budgets.graphMemory);
+  h.setUploadChunk(ctx_.uploadChunkBytes());
   h.setInstance(data(ctx_.instance));
   h.setSessionGrace(uint32_t(ctx_.sessionGraceMs / 1000));
   if (!serverMac.empty())

@@ -56,6 +56,14 @@ public:
   at::Device device() const { return devices_[0]; }
   const std::vector<at::Device> &devices() const { return devices_; }
   const wire::Limits &limits() const { return limits_; }
+  /// The most bytes one Upload carries: a quarter of --session-memory (at least 1 MiB), so
+  /// that a chunk's frame, which counts toward the quota while it arrives, leaves room for
+  /// its tensor; limits().uploadChunkBytes without a quota.
+  uint64_t uploadChunkBytes() const {
+    const uint64_t quarter = std::max<uint64_t>(budgets.sessionMemory / 4, 1 << 20);
+    return budgets.sessionMemory ? std::min(limits_.uploadChunkBytes, quarter)
+                                 : limits_.uploadChunkBytes;
+  }
   Compiler *compiler() const { return compiler_.get(); }
 
   /// The shared plan for \p hash, or null if no session has defined it.
@@ -204,6 +212,8 @@ public:
   FrameOutcome handle(const net::Frame &frame);
   /// The session's Hello was accepted (its peer is authenticated).
   bool greeted() const { return greeted_; }
+  /// What its memory is charged to.
+  const std::shared_ptr<memory::Account> &account() const { return account_; }
   /// Its client gave it an id and has not said Bye: it is parked when its connection ends.
   bool resumable() const { return greeted_ && !id_.empty() && !ended_; }
   const std::string &id() const { return id_; }

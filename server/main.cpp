@@ -178,6 +178,7 @@ struct Slot {
   std::atomic<uint64_t> queuedBytes{0}; ///< of the frames in queue
   std::atomic<uint64_t> outBytes{0};    ///< of replies posted and not yet written
   std::unique_ptr<Session> session;     ///< touched only by the pool thread serving the slot
+  std::shared_ptr<memory::Account> account; ///< under mu: its session's, once it has one
   bool activated = false;               ///< its session is listed as resumable on this slot
 
   // A pool thread sends a reply itself when the loop has no write of this connection in
@@ -256,6 +257,10 @@ struct Connection {
   net::FrameDecoder decoder;
   std::unique_ptr<net::Opener> opener; ///< once its TCP Hello set the session's keys
   std::string opened;                  ///< what the last read opened
+  /// Bytes of frames not yet served (the one arriving, those queued) charged to chargedTo
+  /// (null: to the server alone), see chargeFrames.
+  uint64_t charged = 0;
+  std::shared_ptr<memory::Account> chargedTo;
   std::shared_ptr<Slot> slot;
   std::list<Connection *>::iterator unauthenticated; ///< its place in Server::waiting
   bool waiting = false;                               ///< in Server::waiting
@@ -455,9 +460,12 @@ void serveSlots(Server *server) {
       continue;
     }
     slot->queuedBytes -= frame.bytes;
-    if (!slot->session)
+    if (!slot->session) {
       slot->session = std::make_unique<Session>(*server->ctx, slot->peer, slot->admission,
                                                 &slot->cancelled);
+      std::lock_guard<std::mutex> lock(slot->mu);
+      slot->account = slot->session->account();
+    }
     FrameOutcome out = slot->session->handle(frame);
     if (out.deferred) {
       // Served again when a session is parked or ends, or at the next tick.
@@ -478,6 +486,8 @@ void serveSlots(Server *server) {
     if (out.adopted) {
       slot->session = std::move(out.adopted);
       slot->session->attach(slot->peer, &slot->cancelled);
+      std::lock_guard<std::mutex> lock(slot->mu);
+      slot->account = slot->session->account();
     }
     if (slot->session->resumable() && !slot->activated) {
       server->ctx->activate(slot->session->id(), slot->connId, slot->session->principal());
@@ -529,6 +539,8 @@ void closeConnection(Connection *c) {
     return;
   c->closing = true;
   Server *server = c->server;
+  memory::credit(c->chargedTo.get(), c->charged);
+  c->charged = 0;
   {
     std::lock_guard<std::mutex> lock(c->slot->mu);
     c->slot->stopped = true;
@@ -557,8 +569,53 @@ void onAlloc(uv_handle_t *, size_t suggested, uv_buf_t *buf) {
 
 /// Reads while the connection has room: fewer frames waiting than its limits, fewer reply bytes
 /// unsent. A peer that stops reading its replies is therefore no longer read either.
+void write(Connection *c, std::shared_ptr<const std::string> bytes, bool close, bool counted);
+
+/// Ends \p c after an error frame saying \p why (sealed if its frames are), logged too.
+void endWith(Connection *c, const std::string &why) {
+  log(c->slot->peer + ": " + why + "; closing the connection");
+  std::shared_ptr<const std::string> bytes;
+  c->slot->send(std::make_shared<const std::string>(errorFrame(why, wire::Error::Kind::PROTOCOL)),
+                false, false, [&](std::shared_ptr<const std::string> b, bool) { bytes = b; });
+  c->slot->outBytes += bytes ? bytes->size() : 0;
+  if (bytes)
+    write(c, std::move(bytes), true, /*counted=*/true);
+  else
+    closeConnection(c);
+}
+
+/// Charges the bytes \p c holds of frames not yet served (the one arriving and those
+/// queued) to its session's memory account once it has one, and to the server's total in any
+/// case: half-received frames count toward --session-memory and --memory-limit like tensors.
+/// False, the connection ended with an error saying so, past either.
+bool chargeFrames(Connection *c) {
+  std::shared_ptr<memory::Account> account;
+  {
+    std::lock_guard<std::mutex> lock(c->slot->mu);
+    account = c->slot->account;
+  }
+  if (account != c->chargedTo) { // the session started, or was resumed: its account from now
+    memory::credit(c->chargedTo.get(), c->charged);
+    c->charged = 0;
+    c->chargedTo = account;
+  }
+  const uint64_t now = c->decoder.bufferedBytes() + c->slot->queuedBytes.load();
+  if (now < c->charged) {
+    memory::credit(account.get(), c->charged - now);
+  } else if (now > c->charged) {
+    try {
+      memory::charge(account.get(), now - c->charged);
+    } catch (const c10::Error &e) {
+      endWith(c, std::string("its frames in flight: ") + e.what_without_backtrace());
+      return false;
+    }
+  }
+  c->charged = now;
+  return true;
+}
+
 void updateReading(Connection *c) {
-  if (c->closing)
+  if (c->closing || !chargeFrames(c))
     return;
   const ConnectionLimits &l = c->server->limits;
   bool full;
@@ -626,7 +683,7 @@ void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
       }
       if (any)
         c->server->schedule(c->slot);
-      updateReading(c);
+      updateReading(c); // charges what the read added, first
     }
   }
   free(buf->base);

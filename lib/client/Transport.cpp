@@ -277,6 +277,8 @@ Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &w
     instance_ = instance;
     graceSeconds_ = hr.getSessionGrace();
     graphBudget_ = hr.getGraphBudget();
+    if (uint64_t chunk = hr.getUploadChunk(); chunk > 0)
+      limits_.uploadChunkBytes = std::min(limits_.uploadChunkBytes, chunk);
     serverHello_ = {hr.getProtocol(), theirs, hr.getDevice(), hr.getCompiler(), {}};
     for (capnp::Text::Reader d : hr.getDevices())
       serverHello_.devices.push_back(d);

@@ -280,6 +280,8 @@ struct HelloReply {
   sessionGrace @9 :UInt32; # seconds a disconnected session is kept for a resume
   devices @10 :List(Text); # the server's devices (--devices): rgpu:i runs on devices[i];
                            # `device` is devices[0]
+  uploadChunk @11 :UInt64; # the most bytes one Upload may carry for this session (frames in
+                           # flight count toward its memory quota); 0: Limits' own
 }
 
 struct Result {

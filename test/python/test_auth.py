@@ -255,17 +255,17 @@ while True:
 
 
 class Mangler:
-    """A TCP relay that, once `after` bytes have gone from client to server (the Hello and
-    more), does `how` to the next chunk it forwards that way: "flip" a bit, "replay" it (sends
-    it twice) or "swap" it with the one after; with `how` None it only keeps what it forwards,
-    both ways, in `seen`."""
+    """A TCP relay that reads the client's sealed stream record by record (past the plaintext
+    Hello frame and the stream's 24-byte header) and does `how` to record `at` once: "flip" a
+    bit in it, "replay" it (sends it twice) or "swap" it with the record after it. With `how`
+    None it only keeps what it forwards, both ways, in `seen`."""
 
-    def __init__(self, target, how=None, after=0):
-        self.target, self.how, self.after = target, how, after
+    def __init__(self, target, how=None, at=3):
+        self.target, self.how, self.at = target, how, at
         self.seen = []
+        self.done = False
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.done = False
         import threading
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -280,8 +280,30 @@ class Mangler:
             threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
+    def _units(self, buf, state):
+        """Splits off the complete units at the front of `buf`: the Hello frame, the stream
+        header, then records; returns them."""
+        out = []
+        while True:
+            if state["stage"] == 0:  # the Hello frame: 16-byte header, then its payload
+                if len(buf) < 16:
+                    break
+                size = 16 + int.from_bytes(buf[8:16], "little")
+            elif state["stage"] == 1:
+                size = 24
+            else:
+                if len(buf) < 4:
+                    break
+                size = 4 + int.from_bytes(buf[:4], "little")
+            if len(buf) < size:
+                break
+            out.append((state["stage"], bytes(buf[:size])))
+            del buf[:size]
+            state["stage"] = min(state["stage"] + 1, 2)
+        return out
+
     def _pump(self, src, dst, up):
-        seen, held = 0, None
+        buf, state, records, held = bytearray(), {"stage": 0}, 0, None
         while True:
             try:
                 data = src.recv(1 << 16)
@@ -295,22 +317,30 @@ class Mangler:
                         pass
                 return
             self.seen.append(data)
-            if up and self.how and not self.done and seen >= self.after:
-                if self.how == "flip":
-                    data = data[:-1] + bytes([data[-1] ^ 1])
-                    self.done = True
-                elif self.how == "replay":
-                    data = data + data
-                    self.done = True
-                elif held is None:  # swap: hold this chunk, send it after the next
-                    held = data
-                    continue
-                else:
-                    data, held = data + held, None
-                    self.done = True
-            seen += len(data)
+            if not up or not self.how:
+                out = data
+            else:
+                buf += data
+                out = b""
+                for stage, unit in self._units(buf, state):
+                    if stage == 2:
+                        records += 1
+                        if records == self.at and not self.done:
+                            if self.how == "flip":
+                                unit = unit[:-1] + bytes([unit[-1] ^ 1])
+                                self.done = True
+                            elif self.how == "replay":
+                                unit = unit + unit
+                                self.done = True
+                            else:
+                                held = unit
+                                continue
+                        elif held is not None:
+                            unit, held = unit + held, None
+                            self.done = True
+                    out += unit
             try:
-                dst.sendall(data)
+                dst.sendall(out)
             except OSError:
                 return
 
@@ -322,17 +352,16 @@ def test_frames_after_the_hello_are_sealed_and_a_tampered_one_ends_the_connectio
     # connection, and the client's session resumes on a new one (new keys), computing right.
     server = Server()
     try:
-        mangler = Mangler(("127.0.0.1", server.port), how, after=600)
+        mangler = Mangler(("127.0.0.1", server.port), how)
+        # A 3 MiB upload goes as several records in a row (at most 1 MiB each): record 3 is
+        # one of them, so a swap never waits for a record that is not coming.
         code = ("import torch, rgpu\n"
-                "x = torch.arange(6., device='rgpu')\n"
+                "torch.manual_seed(0)\n"
+                "x = torch.randn(768 * 1024)\n"
                 "total = 0.0\n"
-                "for k in range(40):\n"
-                "    x = x * 1.5 - k\n"
-                "    total += x.sum().item()\n"
-                "want, y = 0.0, torch.arange(6.)\n"
-                "for k in range(40):\n"
-                "    y = y * 1.5 - k\n"
-                "    want += y.sum().item()\n"
+                "for k in range(3):\n"
+                "    total += ((x + k).to('rgpu') * 1.5).sum().item()\n"
+                "want = sum(((x + k) * 1.5).sum().item() for k in range(3))\n"
                 "print(total == want, rgpu.server_stats()['resumes'])\n")
         r = run_client(mangler.address, code, timeout=120)
         assert r.returncode == 0, r.stderr
@@ -350,7 +379,7 @@ def test_a_sealed_session_carries_no_plaintext_after_its_hello():
     # What a passive observer of the link sees after the Hello: no frame magic, no tensor bytes.
     server = Server()
     try:
-        relay = Mangler(("127.0.0.1", server.port))
+        relay = Mangler(("127.0.0.1", server.port))  # only watches
         marker = 0x5A17C0DE
         code = ("import torch, rgpu\n"
                 f"x = torch.full((1024,), {marker}, dtype=torch.int64).to('rgpu')\n"

@@ -788,6 +788,26 @@ TEST(Faults, PoisonedHandlesAreChargedAndCappedPerSession) {
   expectGoodSessionUnaffected();
 }
 
+TEST(Faults, AHalfReceivedFrameCountsTowardTheSessionsMemory) {
+  // A frame's bytes count toward --session-memory (256 MiB here) while it arrives: one that
+  // announces 512 MiB and keeps coming ends its connection with an error saying so, long
+  // before the server holds it all (256 such connections once held 1 GiB each).
+  double before = serverRssMiB();
+  Beside beside;
+  Peer greedy;
+  greedy.hello();
+  ASSERT_TRUE(greedy.sendRaw(frameHeader(uint64_t(512) << 20)));
+  const std::string mib(1 << 20, '\0');
+  size_t sent = 0;
+  while (sent < 400 && greedy.sendRaw(mib))
+    ++sent;
+  EXPECT_LT(sent, 400u); // the server stopped taking them
+  EXPECT_TRUE(greedy.closedByServer());
+  EXPECT_LT(serverRssMiB() - before, 100.0);
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
 TEST(Faults, ARunWhoseOutputCountDisagreesWithItsGraphIsAnError) {
   Peer bad;
   bad.hello();
