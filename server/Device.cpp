@@ -92,7 +92,7 @@ const std::string &processorName() {
 void apply(c10::Device dev, wire::MemoryRequest::Reader request, memory::Account &account,
            bool deviceWide) {
   if (request.getResetPeak())
-    account.peak = account.held.load();
+    account.peak = account.owned();
   if (!dev.is_cuda())
     return;
   c10::DeviceAllocator *allocator = c10::getDeviceAllocator(c10::kCUDA);
@@ -119,7 +119,8 @@ void figures(c10::Device dev, wire::DeviceMemory::Builder out, const memory::Acc
     return;
   }
   // A CPU server: libtorch's CPU allocator caches nothing, so reserved is what is held.
-  const uint64_t held = memory::held(), mine = account.held, peak = account.peak;
+  const uint64_t held = memory::held(), mine = account.owned(),
+                 peak = std::max<uint64_t>(account.peak, mine);
   out.setAllocated(mine);
   out.setAllocatedPeak(peak);
   out.setReserved(mine);

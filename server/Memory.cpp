@@ -169,7 +169,7 @@ public:
       block.context = inner.release_context();
     }
     if (account)
-      raisePeak((*account)->peak, (*account)->held.load());
+      raisePeak((*account)->peak, (*account)->owned());
     new (headerOf(block.data))
         Header{block.context, block.deleter, account ? *account : nullptr, n};
     return {block.data, block.data, &AccountingAllocator::free, c10::Device(c10::kCPU)};
@@ -213,9 +213,21 @@ void install(uint64_t limit) {
 void charge(Account *account, uint64_t bytes) {
   chargeOrThrow(account, bytes);
   if (account)
-    raisePeak(account->peak, account->held.load());
+    raisePeak(account->peak, account->owned());
 }
 void credit(Account *account, uint64_t bytes) { creditBytes(account, bytes); }
+
+void chargeFrames(Account *account, uint64_t bytes) {
+  chargeOrThrow(account, bytes);
+  if (account)
+    account->frames += bytes;
+}
+
+void creditFrames(Account *account, uint64_t bytes) {
+  creditBytes(account, bytes);
+  if (account)
+    account->frames -= bytes;
+}
 
 uint64_t limit() { return gLimit; }
 uint64_t held() { return gHeld; }

@@ -36,6 +36,14 @@ struct Account {
   ~Account(); ///< frees the blocks it kept
   uint64_t quota = 0; ///< 0: none (the server's limit still applies).
   std::atomic<uint64_t> held{0}, peak{0}, refused{0};
+  /// Of held, the bytes of frames its connection holds not yet served (chargeFrames): they
+  /// count toward the quota, not toward the figures torch.rgpu reports, nor the peak.
+  std::atomic<uint64_t> frames{0};
+  /// held less frames: what the session's own tensors and tables take.
+  uint64_t owned() const {
+    const uint64_t f = frames.load(), h = held.load();
+    return h > f ? h - f : 0;
+  }
   /// Blocks this session freed, kept for its next allocations of the same size (Memory.cpp).
   struct Kept;
   std::unique_ptr<Kept> kept;
@@ -48,6 +56,10 @@ struct Account {
 void charge(Account *account, uint64_t bytes);
 /// Gives back what charge() took.
 void credit(Account *account, uint64_t bytes);
+/// As charge() and credit(), for the bytes of frames a connection holds for \p account's
+/// session (Account::frames).
+void chargeFrames(Account *account, uint64_t bytes);
+void creditFrames(Account *account, uint64_t bytes);
 
 /// Installs the accounting allocator (once; later calls only change the limit). \p limit is
 /// the server's total in bytes, 0 for none.

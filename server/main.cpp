@@ -539,7 +539,7 @@ void closeConnection(Connection *c) {
     return;
   c->closing = true;
   Server *server = c->server;
-  memory::credit(c->chargedTo.get(), c->charged);
+  memory::creditFrames(c->chargedTo.get(), c->charged);
   c->charged = 0;
   {
     std::lock_guard<std::mutex> lock(c->slot->mu);
@@ -595,16 +595,16 @@ bool chargeFrames(Connection *c) {
     account = c->slot->account;
   }
   if (account != c->chargedTo) { // the session started, or was resumed: its account from now
-    memory::credit(c->chargedTo.get(), c->charged);
+    memory::creditFrames(c->chargedTo.get(), c->charged);
     c->charged = 0;
     c->chargedTo = account;
   }
   const uint64_t now = c->decoder.bufferedBytes() + c->slot->queuedBytes.load();
   if (now < c->charged) {
-    memory::credit(account.get(), c->charged - now);
+    memory::creditFrames(account.get(), c->charged - now);
   } else if (now > c->charged) {
     try {
-      memory::charge(account.get(), now - c->charged);
+      memory::chargeFrames(account.get(), now - c->charged);
     } catch (const c10::Error &e) {
       endWith(c, std::string("its frames in flight: ") + e.what_without_backtrace());
       return false;
@@ -612,6 +612,24 @@ bool chargeFrames(Connection *c) {
   }
   c->charged = now;
   return true;
+}
+
+/// What the frame \p c is receiving may still be given, in bytes: what its session's quota
+/// and the server's limit leave, besides what they hold (its frames counted as chargeFrames
+/// last charged them, so the frame being received counts as room).
+uint64_t frameBudget(Connection *c) {
+  const uint64_t queued = c->slot->queuedBytes.load(), mine = c->charged;
+  auto left = [&](uint64_t cap, uint64_t held) {
+    const uint64_t others = held > mine ? held - mine : 0;
+    return cap > others + queued ? cap - others - queued : 0;
+  };
+  uint64_t budget = ~uint64_t(0);
+  if (uint64_t limit = memory::limit())
+    budget = left(limit, memory::held());
+  std::lock_guard<std::mutex> lock(c->slot->mu);
+  if (const auto &a = c->slot->account; a && a->quota && a == c->chargedTo)
+    budget = std::min(budget, left(a->quota, a->held));
+  return budget;
 }
 
 void updateReading(Connection *c) {
@@ -647,6 +665,7 @@ void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
       leaveWaiting(c);
     c->decoder.setMaxFrameBytes(greeted ? c->server->ctx->limits().maxFrameBytes
                                         : c->server->limits.helloFrameBytes);
+    c->decoder.setBufferBudget(frameBudget(c));
     if (!c->opener) {
       std::lock_guard<std::mutex> lock(c->slot->mu);
       c->opener = std::move(c->slot->pendingOpener);
@@ -665,9 +684,13 @@ void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
       length = c->opened.size();
     }
     if (!c->decoder.feed(bytes, length)) {
-      log(c->slot->peer + ": " + c->decoder.error() +
-          (greeted ? "" : " (before its Hello was accepted)") + "; closing the connection");
-      closeConnection(c);
+      if (greeted)
+        endWith(c, c->decoder.error() + " (--session-memory, --memory-limit)");
+      else {
+        log(c->slot->peer + ": " + c->decoder.error() + " (before its Hello was accepted); "
+            "closing the connection");
+        closeConnection(c);
+      }
     } else {
       net::Frame frame;
       bool any = false;

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <sched.h>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <fcntl.h>
 #include <netdb.h>
@@ -149,14 +150,26 @@ bool FrameDecoder::feed(const char *data, size_t n) {
       current_.flags = flags;
       current_.bytes = length;
       // The buffer grows as bytes arrive: a header announcing a gigabyte costs what was sent.
-      current_.words = kj::heapArray<capnp::word>((std::min(length, kFirstBufferBytes) + 7) / 8);
+      const uint64_t first = std::min({length, kFirstBufferBytes, budget_});
+      if (first < std::min(length, uint64_t(8))) {
+        error_ = "a frame of " + std::to_string(length) + " bytes, and no memory left for it";
+        return false;
+      }
+      current_.words = kj::heapArray<capnp::word>((first + 7) / 8);
       filled_ = 0;
       inFrame_ = true;
     }
     size_t take = std::min<uint64_t>(n, current_.bytes - filled_);
     if (filled_ + take > current_.words.size() * sizeof(capnp::word)) {
+      if (filled_ + take > budget_) {
+        error_ = "a frame of " + std::to_string(current_.bytes) + " bytes, of which " +
+                 std::to_string(filled_ + take) + " arrived, past the " +
+                 std::to_string(budget_) + " bytes of memory left for it";
+        return false;
+      }
       uint64_t grown = std::min<uint64_t>(
-          current_.bytes, std::max<uint64_t>(filled_ + take, 4 * current_.words.size() * 8));
+          std::min(current_.bytes, budget_),
+          std::max<uint64_t>(filled_ + take, 4 * current_.words.size() * 8));
       auto words = kj::heapArray<capnp::word>((grown + 7) / 8);
       std::memcpy(words.begin(), current_.words.begin(), filled_);
       current_.words = std::move(words);

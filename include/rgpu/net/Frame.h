@@ -46,6 +46,9 @@ public:
   explicit FrameDecoder(uint64_t maxFrameBytes) : maxFrameBytes_(maxFrameBytes) {}
   /// The limit for frames whose header is still to come.
   void setMaxFrameBytes(uint64_t n) { maxFrameBytes_ = n; }
+  /// The most bytes the frame being assembled may be given (its memory budget): feed() fails,
+  /// before allocating, where a frame would need more.
+  void setBufferBudget(uint64_t n) { budget_ = n; }
   /// Consumes \p n bytes; complete frames queue up for next(). False on a protocol error.
   bool feed(const char *data, size_t n);
   /// Moves the oldest complete frame into \p out; false if none is complete.
@@ -65,6 +68,7 @@ public:
 
 private:
   uint64_t maxFrameBytes_;
+  uint64_t budget_ = ~uint64_t(0);
   std::string error_;
   char header_[kHeaderBytes];
   size_t headerFill_ = 0;
