@@ -300,8 +300,7 @@ Session::Session(Context &ctx, std::string peer, Admission admission,
 Session::~Session() {
   if (joining_)
     Groups::cancel(*joining_);
-  if (holdsWait_)
-    ctx_.releaseWait(principal());
+  endWait();
   memory::credit(account_.get(), tensors_.size() * kHandleBytes);
   --ctx_.sessions;
   if (counted_)
@@ -630,8 +629,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
                     ctx.wakeDeferred();
                 });
           } catch (...) {
-            ctx_.releaseWait(principal());
-            holdsWait_ = false;
+            endWait();
             throw;
           }
         }
@@ -640,8 +638,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
           name = groups_.finish(*joining_);
         } catch (...) {
           joining_.reset();
-          ctx_.releaseWait(principal());
-          holdsWait_ = false;
+          endWait();
           throw;
         }
         if (!name) {
@@ -649,8 +646,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
           return outcome;
         }
         joining_.reset();
-        ctx_.releaseWait(principal());
-        holdsWait_ = false;
+        endWait();
         results.back().text = *name;
         log(peer_ + ": joined process group " + *name + " as rank " +
             std::to_string(j.getRank()) + " of " + std::to_string(j.getSize()));
@@ -851,6 +847,12 @@ void Session::fillHello(wire::HelloReply::Builder h, const std::string &serverMa
   }
 }
 
+void Session::endWait() {
+  if (holdsWait_)
+    ctx_.releaseWait(principal());
+  holdsWait_ = false;
+}
+
 void Session::detach() {
   cancelled_ = nullptr;
   // A join ends when its client leaves; a client that resumes sends its JoinGroup again.
@@ -858,10 +860,7 @@ void Session::detach() {
     Groups::cancel(*joining_);
     joining_.reset();
   }
-  if (holdsWait_) {
-    ctx_.releaseWait(principal());
-    holdsWait_ = false;
-  }
+  endWait();
   if (counted_) // a parked session is not served: it holds no place of --max-connections
     --ctx_.greetedSessions;
   counted_ = false;
@@ -991,10 +990,7 @@ void Session::hello(wire::Hello::Reader r, std::string &fatal, std::string &serv
         deferHello_ = true; // served again once the session it takes over is parked
         return;
       }
-      if (holdsWait_) {
-        ctx_.releaseWait(principal());
-        holdsWait_ = false;
-      }
+      endWait();
       if (t == Context::Takeover::Taken)
         return; // this session only answered the Hello; the one it found goes on
       // Answered "not resumed" (the client then says the session is lost), and not resumable.

@@ -284,6 +284,8 @@ private:
   /// it (or a join) holds one of its principal's waits (Context::reserveWait).
   std::optional<std::chrono::steady_clock::time_point> deferredSince_;
   bool holdsWait_ = false, deferHello_ = false;
+  /// Gives back the principal's wait this session holds, if it holds one.
+  void endWait();
   /// The keys of an accepted TCP Hello, until its reply hands them to the connection.
   std::optional<net::SessionKeys> keys_;
   /// How long a resume Hello waits for the session it takes over to be parked.

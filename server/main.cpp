@@ -567,8 +567,6 @@ void onAlloc(uv_handle_t *, size_t suggested, uv_buf_t *buf) {
   buf->len = buf->base ? suggested : 0;
 }
 
-/// Reads while the connection has room: fewer frames waiting than its limits, fewer reply bytes
-/// unsent. A peer that stops reading its replies is therefore no longer read either.
 void write(Connection *c, std::shared_ptr<const std::string> bytes, bool close, bool counted);
 
 /// Ends \p c after an error frame saying \p why (sealed if its frames are), logged too.
@@ -632,6 +630,8 @@ uint64_t frameBudget(Connection *c) {
   return budget;
 }
 
+/// Reads while the connection has room: fewer frames waiting than its limits, fewer reply bytes
+/// unsent. A peer that stops reading its replies is therefore no longer read either.
 void updateReading(Connection *c) {
   if (c->closing || !chargeFrames(c))
     return;
@@ -684,8 +684,9 @@ void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
       length = c->opened.size();
     }
     if (!c->decoder.feed(bytes, length)) {
+      const bool memory = c->decoder.error().find("of memory left") != std::string::npos;
       if (greeted)
-        endWith(c, c->decoder.error() + " (--session-memory, --memory-limit)");
+        endWith(c, c->decoder.error() + (memory ? " (--session-memory, --memory-limit)" : ""));
       else {
         log(c->slot->peer + ": " + c->decoder.error() + " (before its Hello was accepted); "
             "closing the connection");
