@@ -10,7 +10,6 @@ corpus/frame/ single frames as `flags byte + payload` (graph_fuzz).
 
 import asyncio
 import os
-import re
 import struct
 import subprocess
 import sys
@@ -103,11 +102,13 @@ print((x @ x).sum().item(), t.sum().item(), h.float().mean().item(), b.sum().ite
 ENV = {"compressed_uploads": {"RGPU_COMPRESS": "1"}}
 
 
-async def relay(target_port, record, ready):
-    """Accepts connections, forwards both ways, and records what each client sends."""
+async def relay(target, listen, record, ready):
+    """Accepts connections on the Unix socket `listen`, forwards both ways to the one at
+    `target`, and records what each client sends. (Over TCP everything after the Hello is
+    sealed: a Unix socket carries the frames themselves.)"""
 
     async def handle(reader, writer):
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", target_port)
+        up_r, up_w = await asyncio.open_unix_connection(target)
         sent = bytearray()
         record.append(sent)
 
@@ -125,8 +126,8 @@ async def relay(target_port, record, ready):
 
         await asyncio.gather(pump(reader, up_w, sent), pump(up_r, writer, None))
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    ready.append(server.sockets[0].getsockname()[1])
+    server = await asyncio.start_unix_server(handle, listen)
+    ready.append(listen)
     async with server:
         await server.serve_forever()
 
@@ -143,25 +144,24 @@ def frames(stream):
 
 
 def main():
-    # The server's token lives in a directory of this run, where its clients find it too.
-    os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="rgpu-corpus-config-")
-    server = subprocess.Popen([OPSERVER, "--device", "cpu", "--port", "0", "--compiler", "plan"],
-                              stderr=subprocess.PIPE, text=True)
-    port = None
+    # The server's socket and the relay's each live in a private directory of this run.
+    target = os.path.join(tempfile.mkdtemp(prefix="rgpu-corpus-server-"), "opserver.sock")
+    listen = os.path.join(tempfile.mkdtemp(prefix="rgpu-corpus-relay-"), "relay.sock")
+    server = subprocess.Popen([OPSERVER, "--device", "cpu", "--socket", target,
+                               "--compiler", "plan"], stderr=subprocess.PIPE, text=True)
     for line in server.stderr:
-        if m := re.search(r"listening on [0-9.]+:([0-9]+)", line):
-            port = int(m.group(1))
+        if "listening on unix:" in line:
             break
     threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
     record, ready = [], []
     loop = asyncio.new_event_loop()
-    threading.Thread(target=lambda: loop.run_until_complete(relay(port, record, ready)),
+    threading.Thread(target=lambda: loop.run_until_complete(relay(target, listen, record, ready)),
                      daemon=True).start()
     while not ready:
         pass
     os.makedirs(os.path.join(HERE, "corpus", "stream"), exist_ok=True)
     os.makedirs(os.path.join(HERE, "corpus", "frame"), exist_ok=True)
-    env = dict(os.environ, RGPU_OPSERVER=f"127.0.0.1:{ready[0]}", RGPU_CACHE_DIR="off")
+    env = dict(os.environ, RGPU_OPSERVER=f"unix:{ready[0]}", RGPU_CACHE_DIR="off")
     try:
         for name in sys.argv[1:] or WORKLOADS:
             body = WORKLOADS[name]
