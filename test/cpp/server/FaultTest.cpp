@@ -17,6 +17,8 @@
 #include <optional>
 #include <thread>
 #include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -810,6 +812,31 @@ TEST(Faults, AHalfReceivedFrameCountsTowardTheSessionsMemory) {
   for (int k = 0; k < 40 && serverRssMiB() - before > 64; ++k)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_LT(serverRssMiB() - before, 64.0);
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, TwentyThousandConnectionsThatSayAlmostNothingLeaveTheServerServing) {
+  // Connect, send 8 bytes, close, 20,000 times: each costs the server a descriptor only until
+  // it sees the close (a Gloo listener once kept them all, until accept failed and the process
+  // ended).
+  Beside beside;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, server().socket.c_str(), sizeof addr.sun_path - 1);
+  const char eight[8] = {'R', 'G', 'P', 'U', 0, 0, 0, 0};
+  int refused = 0;
+  for (int k = 0; k < 20000; ++k) {
+    int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    if (::connect(fd, reinterpret_cast<sockaddr *>(&addr), sizeof addr) == 0)
+      (void)!::send(fd, eight, sizeof eight, MSG_NOSIGNAL);
+    else
+      ++refused; // the listen backlog was full for a moment
+    ::close(fd);
+  }
+  EXPECT_LT(refused, 20000);
+  ASSERT_TRUE(server().alive());
   EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }
