@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import Server, run_client, wait_for_log
+from relay import Relay
 
 TINY = "import torch, rgpu\nprint(torch.arange(4., device='rgpu').pow(2).sum().item())"
 
@@ -254,31 +255,17 @@ while True:
         server.stop()
 
 
-class Mangler:
+class Mangler(Relay):
     """A TCP relay that reads the client's sealed stream record by record (past the plaintext
     Hello frame and the stream's 24-byte header) and does `how` to record `at` once: "flip" a
     bit in it, "replay" it (sends it twice) or "swap" it with the record after it. With `how`
     None it only keeps what it forwards, both ways, in `seen`."""
 
     def __init__(self, target, how=None, at=3):
-        self.target, self.how, self.at = target, how, at
+        self.how, self.at = how, at
         self.seen = []
         self.done = False
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        import threading
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        import threading
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.target)
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+        super().__init__(target)
 
     def _units(self, buf, state):
         """Splits off the complete units at the front of `buf`: the Hello frame, the stream
@@ -302,7 +289,7 @@ class Mangler:
             state["stage"] = min(state["stage"] + 1, 2)
         return out
 
-    def _pump(self, src, dst, up):
+    def _pump(self, src, dst, direction, pair):
         buf, state, records, held = bytearray(), {"stage": 0}, 0, None
         while True:
             try:
@@ -310,14 +297,10 @@ class Mangler:
             except OSError:
                 data = b""
             if not data:
-                for s in (src, dst):
-                    try:
-                        s.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+                self._drop(pair)
                 return
             self.seen.append(data)
-            if not up or not self.how:
+            if direction != "up" or not self.how:
                 out = data
             else:
                 buf += data
@@ -342,6 +325,7 @@ class Mangler:
             try:
                 dst.sendall(out)
             except OSError:
+                self._drop(pair)
                 return
 
 
