@@ -552,8 +552,9 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
   std::string name = "graph " + hash.hex().substr(0, 12);
   std::string base = stem(hash), package = base + ".pt2", failed = base + ".failed";
   size_t nodes = job.plan->graph().nodes.size();
+  // What the package must record (`.pt2.graph`), and what it is recorded as once compiled.
+  const std::string record = ir::canonicalBytes(job.plan->graph());
   auto load = [&]() -> std::shared_ptr<const CompiledGraph> {
-    std::string record = ir::canonicalBytes(job.plan->graph());
     if (readFile(package + ".graph") != record) {
       error = "its package records another graph (or none)";
       return nullptr;
@@ -577,8 +578,8 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
     try {
       auto loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
           package, "model", false, 1, device_.is_cuda() ? device_.index() : -1);
-      return std::make_shared<CompiledGraph>(std::move(loader), std::move(spec),
-                                             std::move(record), job.plan);
+      return std::make_shared<CompiledGraph>(std::move(loader), std::move(spec), record,
+                                             job.plan);
     } catch (const std::exception &e) {
       const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
       error = std::string("loading its package failed: ") +
@@ -685,7 +686,7 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
   }
   fs::rename(resultPath, package + ".spec", ec);
   fs::remove(base + ".log", ec);
-  if (std::string e = writeFile(package + ".graph", ir::canonicalBytes(job.plan->graph()));
+  if (std::string e = writeFile(package + ".graph", record);
       !e.empty()) {
     error = e;
     log(name + ": " + error);

@@ -39,7 +39,13 @@ class Relay:
             threading.Thread(target=self._pump, args=(client, server, "up", pair), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, "down", pair), daemon=True).start()
 
+    def rewrite(self, direction, data, state):
+        """What to forward for `data` read going `direction`: itself here; a subclass may
+        change it (`state` is a dict of the pump's own, for as long as its connection)."""
+        return data
+
     def _pump(self, src, dst, direction, pair):
+        state = {}
         while True:
             try:
                 data = src.recv(1 << 16)
@@ -48,6 +54,9 @@ class Relay:
             if not data:
                 self._drop(pair)
                 return
+            data = self.rewrite(direction, data, state)
+            if not data:
+                continue
             cut = False
             pair[3][direction] += 1
             with self.lock:

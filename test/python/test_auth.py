@@ -272,11 +272,12 @@ class Mangler(Relay):
         header, then records; returns them."""
         out = []
         while True:
-            if state["stage"] == 0:  # the Hello frame: 16-byte header, then its payload
+            stage = state.setdefault("stage", 0)
+            if stage == 0:  # the Hello frame: 16-byte header, then its payload
                 if len(buf) < 16:
                     break
                 size = 16 + int.from_bytes(buf[8:16], "little")
-            elif state["stage"] == 1:
+            elif stage == 1:
                 size = 24
             else:
                 if len(buf) < 4:
@@ -284,49 +285,36 @@ class Mangler(Relay):
                 size = 4 + int.from_bytes(buf[:4], "little")
             if len(buf) < size:
                 break
-            out.append((state["stage"], bytes(buf[:size])))
+            out.append((stage, bytes(buf[:size])))
             del buf[:size]
-            state["stage"] = min(state["stage"] + 1, 2)
+            state["stage"] = min(stage + 1, 2)
         return out
 
-    def _pump(self, src, dst, direction, pair):
-        buf, state, records, held = bytearray(), {"stage": 0}, 0, None
-        while True:
-            try:
-                data = src.recv(1 << 16)
-            except OSError:
-                data = b""
-            if not data:
-                self._drop(pair)
-                return
-            self.seen.append(data)
-            if direction != "up" or not self.how:
-                out = data
-            else:
-                buf += data
-                out = b""
-                for stage, unit in self._units(buf, state):
-                    if stage == 2:
-                        records += 1
-                        if records == self.at and not self.done:
-                            if self.how == "flip":
-                                unit = unit[:-1] + bytes([unit[-1] ^ 1])
-                                self.done = True
-                            elif self.how == "replay":
-                                unit = unit + unit
-                                self.done = True
-                            else:
-                                held = unit
-                                continue
-                        elif held is not None:
-                            unit, held = unit + held, None
-                            self.done = True
-                    out += unit
-            try:
-                dst.sendall(out)
-            except OSError:
-                self._drop(pair)
-                return
+    def rewrite(self, direction, data, state):
+        self.seen.append(data)
+        if direction != "up" or not self.how:
+            return data
+        buf = state.setdefault("buf", bytearray())
+        buf += data
+        out = b""
+        for stage, unit in self._units(buf, state):
+            if stage == 2:
+                state["records"] = state.get("records", 0) + 1
+                if state["records"] == self.at and not self.done:
+                    if self.how == "flip":
+                        unit = unit[:-1] + bytes([unit[-1] ^ 1])
+                        self.done = True
+                    elif self.how == "replay":
+                        unit = unit + unit
+                        self.done = True
+                    else:  # swap: held until the record after it has gone
+                        state["held"] = unit
+                        continue
+                elif state.get("held") is not None:
+                    unit, state["held"] = unit + state["held"], None
+                    self.done = True
+            out += unit
+        return out
 
 
 @pytest.mark.parametrize("how", ["flip", "replay", "swap"])

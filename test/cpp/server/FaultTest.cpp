@@ -761,12 +761,8 @@ TEST(Faults, PoisonedHandlesAreChargedAndCappedPerSession) {
   Peer bad;
   bad.hello();
   auto reply = bad.send(true, 200, [](auto cmds) {
-    for (uint32_t k = 0; k < 200; ++k) {
-      auto run = cmds[k].initRun();
-      wire::encodeHash({9, 9}, run.initHash());
-      run.setFirstOutput(1 + uint64_t(k) * 65536);
-      run.setNumOutputs(65536);
-    }
+    for (uint32_t k = 0; k < 200; ++k)
+      runIn(cmds[k], {9, 9}, {}, 1 + uint64_t(k) * 65536, 65536);
   });
   ASSERT_TRUE(reply);
   EXPECT_NE(Peer::errorOf(*reply).find("unknown graph"), std::string::npos);
