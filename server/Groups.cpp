@@ -1,6 +1,9 @@
 #include "Groups.h"
 
 #include "Policy.h"
+#include "Rendezvous.h"
+
+#include "rgpu/net/Auth.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -11,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
 #include <random>
 #include <set>
@@ -23,9 +27,11 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include <netdb.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/filter.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #endif
@@ -33,8 +39,8 @@
 namespace rgpu::server {
 
 struct Groups::State {
+  std::unique_ptr<rendezvous::Service> hosted;
 #ifdef RGPU_WITH_GLOO
-  c10::intrusive_ptr<c10d::Store> hosted;
   /// c10d's registry holds groups weakly: the session holds them.
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> held;
 #endif
@@ -60,86 +66,235 @@ namespace {
 } // namespace
 #endif
 
-std::string Groups::hostStore(const std::string &host, std::chrono::milliseconds timeout) {
+std::string Groups::hostStore(const std::string &host, std::function<bool(int64_t)> charge) {
 #ifdef RGPU_WITH_GLOO
-  if (s_->hosted)
-    return s_->hostedAddress; // one store serves every group of the job
-  // torch's TCPStore listens on every interface; it is handed a socket bound to \p host alone.
-  addrinfo hints{}, *found = nullptr;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  if (int rc = getaddrinfo(host.c_str(), "0", &hints, &found); rc != 0)
-    throw std::runtime_error("the rendezvous store's address '" + host + "' (--store-host): " +
-                             gai_strerror(rc));
-  int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  bool bound = fd >= 0 && ::bind(fd, found->ai_addr, found->ai_addrlen) == 0 &&
-               ::listen(fd, 128) == 0;
-  freeaddrinfo(found);
-  if (!bound) {
-    std::string why = std::strerror(errno);
-    if (fd >= 0)
-      ::close(fd);
-    throw std::runtime_error("cannot listen on " + host + " for the rendezvous store: " + why);
+  if (!s_->hosted) { // one store serves every group of the job
+    std::string secret = net::auth::randomBytes(rendezvous::kSecretBytes);
+    s_->hosted = std::make_unique<rendezvous::Service>(host, secret, std::move(charge));
+    s_->hostedAddress = rendezvous::address(host, s_->hosted->port(), secret);
   }
-  c10d::TCPStoreOptions opts;
-  opts.port = 0;
-  opts.isServer = true;
-  opts.waitWorkers = false;
-  opts.timeout = timeout;
-  opts.masterListenFd = fd;
-  auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
-  s_->hosted = store;
-  s_->hostedAddress = host + ":" + std::to_string(store->getPort());
   return s_->hostedAddress;
 #else
+  (void)host;
+  (void)charge;
   unavailable();
 #endif
 }
 
 #ifdef RGPU_WITH_GLOO
 namespace {
-/// The job's store under a key prefix, whose blocking reads give up within kCancelPollMs of
-/// their join being cancelled (the client left), instead of at the join's timeout.
-class CancellableStore : public c10d::PrefixStore {
-public:
-  CancellableStore(std::string prefix, c10::intrusive_ptr<c10d::Store> base,
-                   std::shared_ptr<std::atomic<bool>> cancelled)
-      : PrefixStore(std::move(prefix), std::move(base)), cancelled_(std::move(cancelled)) {}
+/// Gloo's listeners. Gloo keeps one open for as long as its group lives and keeps every
+/// connection anyone makes to it; a process out of descriptors then ends in Gloo's accept. So
+/// each listener is closed to the network (a socket filter that drops every packet: no new
+/// connection is ever made to it, while the group's own connections go on) as soon as its
+/// group is set up, and while joins wait, if the server runs low on descriptors, at once.
+struct GlooListeners {
+  std::mutex mu;
+  std::condition_variable joining; ///< a listener joined `waiting`
+  std::set<int> waiting; ///< of joins in progress (their devices live while they are here)
+  bool low = false;      ///< descriptors ran low: new ones are closed as they are found
+};
 
-  std::vector<uint8_t> get(const std::string &key) override {
-    waitFor({key}, getTimeout());
-    return PrefixStore::get(key);
+void guardDescriptors();
+
+GlooListeners &glooListeners() {
+  static GlooListeners *l = [] {
+    auto *l = new GlooListeners; // used from detached join threads
+    std::thread(guardDescriptors).detach();
+    return l;
+  }();
+  return *l;
+}
+
+/// This process's listening socket bound to \p address; -1 if none.
+int findListener(const char *address) {
+  sockaddr_storage want;
+  std::memcpy(&want, address, sizeof want);
+  DIR *dir = opendir("/proc/self/fd");
+  if (!dir)
+    return -1;
+  int found = -1;
+  while (dirent *e = readdir(dir)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9')
+      continue;
+    const int fd = std::atoi(e->d_name);
+    int listening = 0;
+    socklen_t n = sizeof listening;
+    sockaddr_storage bound{};
+    socklen_t len = sizeof bound;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &n) != 0 || !listening ||
+        getsockname(fd, reinterpret_cast<sockaddr *>(&bound), &len) != 0 ||
+        bound.ss_family != want.ss_family)
+      continue;
+    const bool same =
+        want.ss_family == AF_INET
+            ? std::memcmp(&reinterpret_cast<sockaddr_in &>(bound).sin_port,
+                          &reinterpret_cast<sockaddr_in &>(want).sin_port, 2) == 0 &&
+                  std::memcmp(&reinterpret_cast<sockaddr_in &>(bound).sin_addr,
+                              &reinterpret_cast<sockaddr_in &>(want).sin_addr, 4) == 0
+            : std::memcmp(&reinterpret_cast<sockaddr_in6 &>(bound).sin6_port,
+                          &reinterpret_cast<sockaddr_in6 &>(want).sin6_port, 2) == 0 &&
+                  std::memcmp(&reinterpret_cast<sockaddr_in6 &>(bound).sin6_addr,
+                              &reinterpret_cast<sockaddr_in6 &>(want).sin6_addr, 16) == 0;
+    if (same) {
+      found = fd;
+      break;
+    }
   }
-  void wait(const std::vector<std::string> &keys) override { waitFor(keys, getTimeout()); }
+  closedir(dir);
+  return found;
+}
+
+/// Closes listener \p fd to the network: every packet that reaches it is dropped.
+void dropEverything(int fd) {
+  sock_filter drop = BPF_STMT(BPF_RET | BPF_K, 0);
+  sock_fprog program{1, &drop};
+  if (setsockopt(fd, SOL_SOCKET, SO_ATTACH_FILTER, &program, sizeof program) != 0)
+    std::fprintf(stderr, "rgpu-opserver: cannot close a Gloo listener to new connections: %s\n",
+                 std::strerror(errno));
+}
+
+/// Every kGuardMs while joins wait: if the process runs low on descriptors (an eighth of its
+/// limit left), their Gloo listeners take no new connections, so that Gloo never fails to
+/// accept (which ends the process). Descriptors are taken lowest first, so the lowest free
+/// one says how many are open, at the cost of a dup.
+constexpr int kGuardMs = 5;
+
+void guardDescriptors() {
+  GlooListeners &l = glooListeners();
+  for (;;) {
+    std::unique_lock<std::mutex> lock(l.mu);
+    l.joining.wait(lock, [&] { return !l.waiting.empty(); });
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(kGuardMs));
+    lock.lock();
+    rlimit files{};
+    if (l.waiting.empty() || getrlimit(RLIMIT_NOFILE, &files) != 0 ||
+        files.rlim_cur == RLIM_INFINITY) {
+      l.low = false;
+      continue;
+    }
+    const int lowestFree = fcntl(*l.waiting.begin(), F_DUPFD_CLOEXEC, 0);
+    if (lowestFree >= 0)
+      ::close(lowestFree);
+    const uint64_t open = lowestFree >= 0 ? uint64_t(lowestFree) : files.rlim_cur;
+    const bool low = open + std::max<uint64_t>(files.rlim_cur / 8, 64) > files.rlim_cur;
+    if (low && !l.low) {
+      std::fprintf(stderr,
+                   "rgpu-opserver: %llu of %llu descriptors are open: the Gloo listeners of "
+                   "joins in progress take no new connections\n",
+                   static_cast<unsigned long long>(open),
+                   static_cast<unsigned long long>(files.rlim_cur));
+      for (int fd : l.waiting)
+        dropEverything(fd);
+    }
+    l.low = low;
+  }
+}
+
+/// The job's store as c10d (Gloo) sees it: a rendezvous::Client, whose waits give up within
+/// Client::kCancelPollMs of their join being cancelled (the client left), not at the join's timeout.
+class RendezvousStore : public c10d::Store {
+public:
+  explicit RendezvousStore(std::shared_ptr<rendezvous::Client> client)
+      : Store(client->timeout()), client_(std::move(client)) {}
+
+  c10::intrusive_ptr<c10d::Store> clone() override {
+    return c10::make_intrusive<RendezvousStore>(std::make_shared<rendezvous::Client>(
+        client_->host(), client_->port(), client_->secret(), client_->timeout(),
+        client_->cancelled()));
+  }
+  void set(const std::string &key, const std::vector<uint8_t> &value) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::string record = bytes(value);
+    // Gloo publishes its listener's address first thing: the listener is found by it.
+    if (size_t at = rendezvous::glooAddressAt(record); at != std::string::npos) {
+      if (int fd = findListener(record.data() + at); fd >= 0) {
+        GlooListeners &l = glooListeners();
+        std::lock_guard<std::mutex> lock(l.mu);
+        if (l.waiting.insert(fd).second) {
+          listeners_.push_back(fd);
+          l.joining.notify_one();
+          if (l.low)
+            dropEverything(fd);
+        }
+      }
+    }
+    client_->set(key, rendezvous::zeroAddressPadding(std::move(record)));
+  }
+  std::vector<uint8_t> compareSet(const std::string &key, const std::vector<uint8_t> &expected,
+                                  const std::vector<uint8_t> &desired) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return vector(client_->compareSet(key, bytes(expected), bytes(desired)));
+  }
+  std::vector<uint8_t> get(const std::string &key) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    waitFor({key}, timeout_);
+    auto value = client_->get(key);
+    if (!value)
+      C10_THROW_ERROR(DistStoreError, "the rendezvous store lost the key " + key);
+    return vector(*value);
+  }
+  int64_t add(const std::string &key, int64_t value) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return client_->add(key, value);
+  }
+  bool deleteKey(const std::string &key) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return client_->deleteKey(key);
+  }
+  bool check(const std::vector<std::string> &keys) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return client_->check(keys);
+  }
+  int64_t getNumKeys() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return client_->numKeys();
+  }
+  void wait(const std::vector<std::string> &keys) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    waitFor(keys, timeout_);
+  }
   void wait(const std::vector<std::string> &keys,
             const std::chrono::milliseconds &timeout) override {
+    std::lock_guard<std::mutex> lock(mu_);
     waitFor(keys, timeout);
   }
-  std::vector<std::vector<uint8_t>> multiGet(const std::vector<std::string> &keys) override {
-    waitFor(keys, getTimeout());
-    return PrefixStore::multiGet(keys);
+  void append(const std::string &key, const std::vector<uint8_t> &value) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    client_->append(key, bytes(value));
+  }
+  /// The join is over: its connection is closed (a later call opens another), and its Gloo
+  /// listeners closed to the network if \p groupUp (else their devices are about to go).
+  void endJoin(bool groupUp) {
+    std::lock_guard<std::mutex> lock(mu_);
+    client_->disconnect();
+    GlooListeners &l = glooListeners();
+    std::lock_guard<std::mutex> listeners(l.mu);
+    for (int fd : listeners_) {
+      if (groupUp)
+        dropEverything(fd);
+      l.waiting.erase(fd);
+    }
+    listeners_.clear();
   }
 
 private:
-  void waitFor(const std::vector<std::string> &keys, std::chrono::milliseconds timeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    for (;;) {
-      if (*cancelled_)
-        throw std::runtime_error("the join was cancelled: its client left");
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      try {
-        PrefixStore::wait(keys, std::max(std::chrono::milliseconds(1),
-                                         std::min(left, std::chrono::milliseconds(
-                                                            Groups::kCancelPollMs))));
-        return;
-      } catch (const c10::DistStoreError &) {
-        if (std::chrono::steady_clock::now() >= deadline)
-          throw;
-      }
-    }
+  static std::string bytes(const std::vector<uint8_t> &v) {
+    return std::string(reinterpret_cast<const char *>(v.data()), v.size());
   }
-  std::shared_ptr<std::atomic<bool>> cancelled_;
+  static std::vector<uint8_t> vector(const std::string &s) {
+    return std::vector<uint8_t>(s.begin(), s.end());
+  }
+  void waitFor(const std::vector<std::string> &keys, std::chrono::milliseconds timeout) {
+    if (!client_->wait(keys, timeout))
+      C10_THROW_ERROR(DistStoreError, "the job's other servers did not all reach the "
+                                      "rendezvous store within " +
+                                          std::to_string(timeout.count()) + " ms");
+  }
+  std::mutex mu_;
+  std::shared_ptr<rendezvous::Client> client_;
+  std::vector<int> listeners_; ///< of this join's Gloo devices
 };
 } // namespace
 #endif
@@ -170,43 +325,34 @@ std::shared_ptr<Groups::Join> Groups::startJoin(const std::string &store,
   if (prefix.size() > kMaxPrefix)
     throw std::runtime_error("a group's key prefix of more than " + std::to_string(kMaxPrefix) +
                              " bytes");
-  c10::intrusive_ptr<c10d::Store> hosted;
-  std::string storeHost;
+  std::string storeHost, secret;
   int port = 0;
   if (store.empty()) {
     if (!s_->hosted)
       throw std::runtime_error("this session hosts no rendezvous store (hostStore first)");
-    hosted = s_->hosted;
-  } else {
-    size_t colon = store.rfind(':');
-    if (colon == std::string::npos)
-      throw std::runtime_error("the rendezvous store '" + store + "' is not host:port");
-    port = std::atoi(store.c_str() + colon + 1);
-    if (port <= 0 || port > 65535)
-      throw std::runtime_error("the rendezvous store '" + store + "' has no valid port");
-    storeHost = store.substr(0, colon);
+    rendezvous::parseAddress(s_->hostedAddress, storeHost, port, secret);
+  } else if (!rendezvous::parseAddress(store, storeHost, port, secret)) {
+    throw std::runtime_error("the rendezvous store '" + store +
+                             "' is not an address a HostStore gave (host:port#secret)");
   }
   auto join = std::make_shared<Join>();
-  std::thread([join, hosted, storeHost, port, prefix, rank, size, host, timeout,
+  std::thread([join, storeHost, port, secret, prefix, rank, size, host, timeout,
                ended = std::move(ended)]() mutable {
     c10::intrusive_ptr<c10d::ProcessGroup> group;
     std::string error;
+    auto base = c10::make_intrusive<RendezvousStore>(std::make_shared<rendezvous::Client>(
+        storeHost, port, secret, timeout, join->cancelled));
+    // Held until the join's listeners are done with (endJoin), whatever happens to the group.
+    std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
     try {
-      c10::intrusive_ptr<c10d::Store> base = hosted;
-      if (!base) {
-        c10d::TCPStoreOptions opts;
-        opts.port = uint16_t(port);
-        opts.isServer = false;
-        opts.timeout = timeout;
-        base = c10::make_intrusive<c10d::TCPStore>(storeHost, opts);
-      }
-      auto prefixed =
-          c10::make_intrusive<CancellableStore>("rgpu/" + prefix, base, join->cancelled);
+      auto prefixed = c10::make_intrusive<c10d::PrefixStore>("rgpu/" + prefix, base);
       // Gloo listens where the operator said (--store-host), not on whatever the machine's
-      // host name resolves to.
+      // host name resolves to. (Not lazily: every connection is made before the listener
+      // closes.)
       auto options = [&] {
         auto o = c10d::ProcessGroupGloo::Options::create(timeout);
-        o->devices = {c10d::ProcessGroupGloo::createDeviceForHostname(host)};
+        devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host, false));
+        o->devices = {devices.back()};
         return o;
       };
       auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options());
@@ -215,8 +361,7 @@ std::shared_ptr<Groups::Join> Groups::startJoin(const std::string &store,
       // other ranks' through a second, small Gloo group (torch's ProcessGroupWrapper, what
       // TORCH_DISTRIBUTED_DEBUG=DETAIL uses): a mismatch fails that run on every rank.
       auto checks = c10::make_intrusive<c10d::ProcessGroupGloo>(
-          c10::make_intrusive<CancellableStore>("rgpu/" + prefix + "/checks", base,
-                                                join->cancelled),
+          c10::make_intrusive<c10d::PrefixStore>("rgpu/" + prefix + "/checks", base),
           rank, size, options());
       auto checked = c10::make_intrusive<c10d::ProcessGroupWrapper>(gloo, checks);
       group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
@@ -229,6 +374,7 @@ std::shared_ptr<Groups::Join> Groups::startJoin(const std::string &store,
     } catch (const std::exception &e) {
       error = e.what();
     }
+    base->endJoin(group != nullptr);
     {
       std::lock_guard<std::mutex> lock(join->mu);
       join->group = std::move(group);

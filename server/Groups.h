@@ -3,6 +3,7 @@
 #include "rgpu/ir/Graph.h"
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -19,14 +20,15 @@ public:
   Groups();
   ~Groups();
 
-  /// Starts the job's rendezvous store listening on \p host only, on a free port; returns
-  /// "host:port".
-  std::string hostStore(const std::string &host, std::chrono::milliseconds timeout);
+  /// Starts the job's rendezvous store (Rendezvous.h) listening on \p host only, on a free
+  /// port, its memory paid by \p charge; returns its address, "host:port#secret", which the
+  /// job's other servers join through.
+  std::string hostStore(const std::string &host, std::function<bool(int64_t)> charge);
   /// A join in progress: it waits for every rank of its group on a thread of its own, never on
   /// a worker of the pool.
   struct Join;
-  /// Starts joining a group of \p size servers as \p rank through the store at \p store (""
-  /// for the one hostStore started), under \p prefix, its Gloo listener bound to \p host
+  /// Starts joining a group of \p size servers as \p rank through the store at \p store (an
+  /// address hostStore gave; "" for the one this session's hostStore started), under \p prefix, its Gloo listener bound to \p host
   /// only, for at most \p timeout. \p ended is called, from the join's thread, when it ends.
   std::shared_ptr<Join> startJoin(const std::string &store, const std::string &prefix, int rank,
                                   int size, const std::string &host,
@@ -34,9 +36,9 @@ public:
   /// The group's name for graphs once \p join has ended, the group now this session's; none
   /// while it waits. Throws the join's error.
   std::optional<std::string> finish(Join &join);
-  /// Ends a join whose client left: its waits on the store stop within kCancelPollMs.
+  /// Ends a join whose client left: its waits on the store stop within
+  /// rendezvous::Client::kCancelPollMs.
   static void cancel(Join &join);
-  static constexpr int kCancelPollMs = 200;
   /// An error message if \p graph names a process group this session did not join.
   std::string check(const ir::Graph &graph) const;
 

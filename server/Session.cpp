@@ -601,7 +601,19 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       }
       case wire::Command::HOST_STORE:
         results.push_back({wire::Result::TEXT, nullptr, {}, {}});
-        results.back().text = groups_.hostStore(ctx_.storeHost, std::chrono::minutes(30));
+        // The store's keys and values are this session's memory.
+        results.back().text =
+            groups_.hostStore(ctx_.storeHost, [account = account_](int64_t bytes) {
+              try {
+                if (bytes > 0)
+                  memory::charge(account.get(), uint64_t(bytes));
+                else
+                  memory::credit(account.get(), uint64_t(-bytes));
+                return true;
+              } catch (const c10::Error &) {
+                return false;
+              }
+            });
         break;
       case wire::Command::JOIN_GROUP: {
         // It waits for the group's other ranks off the worker pool: its frame is deferred

@@ -21,24 +21,6 @@ void initSodium() {
     throw std::runtime_error("libsodium could not be initialised");
 }
 
-std::string mac(const char *label, const std::string &token, const std::string &challenge,
-                const std::string &clientNonce) {
-  initSodium();
-  crypto_auth_hmacsha256_state st;
-  crypto_auth_hmacsha256_init(&st, reinterpret_cast<const unsigned char *>(token.data()),
-                              token.size());
-  auto add = [&](const std::string &s) {
-    crypto_auth_hmacsha256_update(&st, reinterpret_cast<const unsigned char *>(s.data()),
-                                  s.size());
-  };
-  add(std::string(label, std::strlen(label) + 1)); // with its NUL: labels never run into data
-  add(challenge);
-  add(clientNonce);
-  std::string out(crypto_auth_hmacsha256_BYTES, '\0');
-  crypto_auth_hmacsha256_final(&st, reinterpret_cast<unsigned char *>(out.data()));
-  return out;
-}
-
 std::string home() {
   const char *h = std::getenv("HOME");
   return h && *h ? h : ".";
@@ -55,6 +37,24 @@ std::string randomBytes(size_t n) {
   initSodium();
   std::string out(n, '\0');
   randombytes_buf(out.data(), n);
+  return out;
+}
+
+std::string mac(const char *label, const std::string &token, const std::string &challenge,
+                const std::string &clientNonce) {
+  initSodium();
+  crypto_auth_hmacsha256_state st;
+  crypto_auth_hmacsha256_init(&st, reinterpret_cast<const unsigned char *>(token.data()),
+                              token.size());
+  auto add = [&](const std::string &s) {
+    crypto_auth_hmacsha256_update(&st, reinterpret_cast<const unsigned char *>(s.data()),
+                                  s.size());
+  };
+  add(std::string(label, std::strlen(label) + 1)); // with its NUL: labels never run into data
+  add(challenge);
+  add(clientNonce);
+  std::string out(crypto_auth_hmacsha256_BYTES, '\0');
+  crypto_auth_hmacsha256_final(&st, reinterpret_cast<unsigned char *>(out.data()));
   return out;
 }
 

@@ -385,11 +385,13 @@ def join(store, prefix, rank, size):
     except rgpu.RemoteError as e:
         return "refused: " + str(e)
 print(join("", "a", 0, 1))                    # no store hosted yet
-_C.host_store()
+address = _C.host_store()
 print(join("", "b", 0, 10**6))                # too many ranks
 print(join("", "c", 3, 2))                    # a rank outside the group
 print(join("", "d" * 1000, 0, 1))             # a key prefix past the bound
-print(join("127.0.0.1:99999", "e", 0, 1))     # no such port
+print(join("127.0.0.1:99999", "e", 0, 1))     # not an address a HostStore gave
+forged = address[:address.index("#") + 1] + "0" * 64
+print(join(forged, "f", 0, 1))                 # the store, without its secret
 names = [join("", f"g{k}", 0, 1) for k in range(16)]
 print(all(n.startswith("rgpu-") for n in names), len(set(names)))
 print(join("", "h", 0, 1))                    # a 17th group
@@ -406,9 +408,10 @@ def test_a_sessions_groups_are_bounded_and_a_client_beside_trains_on(fresh_serve
     assert "hosts no rendezvous store" in lines[0], lines
     assert "groups have 1 to 4096 ranks" in lines[1] and "rank 3 of a group of 2" in lines[2]
     assert "key prefix of more than 256 bytes" in lines[3], lines
-    assert "has no valid port" in lines[4], lines
-    assert lines[5] == "True 16", lines
-    assert "at most 16 process groups" in lines[6], lines
+    assert "is not an address a HostStore gave" in lines[4], lines
+    assert "the address's secret is not this store's" in lines[5], lines
+    assert lines[6] == "True 16", lines
+    assert "at most 16 process groups" in lines[7], lines
     out, err = beside.communicate(timeout=120)
     assert beside.returncode == 0 and out.strip() == "True", err
     assert fresh_server.alive()
@@ -437,15 +440,28 @@ def listening_addresses(pid):
     return out
 
 
+def connects(address, timeout=1.0):
+    """Whether a TCP connection to "host:port" is made within `timeout` seconds."""
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_the_store_and_gloo_listen_only_where_the_operator_said(two_servers):
     # With --bind 127.0.0.1 (the tests' servers), the rendezvous store and every Gloo listener
-    # a job opens are on 127.0.0.1 too: nothing of the server listens on other interfaces.
+    # a job opens are on 127.0.0.1 too: nothing of the server listens on other interfaces. Once
+    # the group is set up, its Gloo listeners take no new connection from anyone, and the
+    # group's own go on.
     code = ("import json, sys, torch, torch.distributed as dist, rgpu\n"
             "dist.init_process_group('rgpu')\n"
             "t = torch.ones(2, device='rgpu')\n"
             "dist.all_reduce(t)\n"
             "print(t.tolist(), flush=True)\n"
             "sys.stdin.readline()\n"
+            "dist.all_reduce(t)\n"
             "print(json.dumps(t.tolist()))\n")
     port = free_port()
     procs = []
@@ -462,12 +478,84 @@ def test_the_store_and_gloo_listen_only_where_the_operator_said(two_servers):
             assert p.stdout.readline().strip() == "[2.0, 2.0]", p.stderr.read()[-3000:]
         for server in two_servers:
             listening = listening_addresses(server.proc.pid)
-            assert len(listening) >= 2, listening  # its own port, and Gloo's (and a store)
+            assert len(listening) >= 3, listening  # its own port, two Gloo's (and a store)
             assert all(a.startswith("127.0.0.1:") for a in listening), listening
+            others = [a for a in listening if a != server.address]
+            closed = [a for a in others if not connects(a)]
+            assert len(closed) >= 2 and len(others) - len(closed) <= 1, (others, closed)
     finally:
-        for p in procs:
-            p.communicate("\n", timeout=120)
-    assert all(p.returncode == 0 for p in procs)
+        for p in procs:  # both ranks go on at once: the all-reduce needs them both
+            p.stdin.write("\n")
+            p.stdin.flush()
+        outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert all(json.loads(out.strip().splitlines()[-1]) == [4.0, 4.0] for out, _ in outs), outs
+
+
+GLOO_FLOOD = """
+import sys, rgpu
+from rgpu import _C
+print(_C.host_store(), flush=True)
+try:
+    _C.join_group('', 'flooded', 0, 2, 120000)   # its other rank never comes
+except rgpu.RemoteError as e:
+    print('refused:', e, flush=True)
+"""
+
+
+def test_a_flood_of_connections_to_a_waiting_gloo_listener_leaves_the_server_serving(tmp_path):
+    # While a join waits, its Gloo listener takes connections from anyone, and Gloo keeps each
+    # one. A server with 1024 descriptors is flooded through it: before it runs out, the
+    # listener stops taking connections (Gloo, failing to accept, would end the process),
+    # and the server and a client beside it go on.
+    import resource
+
+    def few_descriptors():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    server = Server("--bind", "127.0.0.1", preexec_fn=few_descriptors)
+    joiner = subprocess.Popen([sys.executable, "-c", GLOO_FLOOD], text=True,
+                              env=dict(os.environ, RGPU_OPSERVER=server.address),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    held = []
+    try:
+        store = joiner.stdout.readline().strip().split("#")[0]
+        assert store.startswith("127.0.0.1:"), joiner.stderr.read()
+        deadline = time.time() + 30
+        gloo = []
+        while len(gloo) < 1 and time.time() < deadline:
+            gloo = [a for a in listening_addresses(server.proc.pid)
+                    if a not in (server.address, store)]
+            time.sleep(0.1)
+        assert gloo, listening_addresses(server.proc.pid)
+        host, port = gloo[0].rsplit(":", 1)
+        refused = 0
+        for _ in range(1500):
+            s = socket.socket()
+            s.settimeout(0.3)
+            try:
+                s.connect((host, int(port)))
+                s.sendall(b"RGPU\0\0\0\0")
+                held.append(s)  # kept open: each one Gloo accepted holds a descriptor
+                refused = 0
+            except OSError:
+                s.close()
+                refused += 1
+                if refused >= 5:
+                    break
+        assert refused >= 5, "the listener never stopped taking connections"
+        time.sleep(0.5)
+        assert server.alive(), "".join(server.log[-20:])
+        assert any("take no new connections" in line for line in server.log), server.log[-20:]
+        r = run_client(server.address, "import torch, rgpu\n"
+                                       "print((torch.arange(4., device='rgpu') * 2).tolist())\n")
+        assert r.returncode == 0 and r.stdout.strip() == "[0.0, 2.0, 4.0, 6.0]", r.stderr
+    finally:
+        for s in held:
+            s.close()
+        joiner.kill()
+        joiner.wait()
+        server.stop()
 
 
 def server_threads(pid):

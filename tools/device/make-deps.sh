@@ -5,7 +5,7 @@
 #             others' shared ones, with zlib and terminfo that LLVM needs (Debian's other static
 #             libraries are not position-independent, and rgpu's Python modules are shared
 #             objects); the build's RPATH finds them here
-#   gen/      rgpu.capnp.h and rgpu.capnp.c++, generated here (that machine has no capnp)
+#   gen/      the C++ of lib/wire/*.capnp, generated here (that machine has no capnp)
 #   VERSIONS  the Debian packages they came from
 # The headers and libraries are extracted from the Debian packages that `apt-get download`
 # fetches, not copied from this machine's /usr, so the folder is the same on any Debian 12
@@ -43,7 +43,7 @@ strip --strip-debug "$out"/lib/*
 want=$(dpkg-deb -f "$work"/libcapnp-dev_*.deb Version | sed 's/-[^-]*$//')
 have=$(capnp --version | awk '{print $NF}')
 [ "$want" = "$have" ] || { echo "make-deps: capnp $have here, headers of $want" >&2; exit 1; }
-capnp compile -oc++:"$out/gen" --src-prefix="$repo/lib/wire" "$repo/lib/wire/rgpu.capnp"
+capnp compile -oc++:"$out/gen" --src-prefix="$repo/lib/wire" "$repo"/lib/wire/*.capnp
 
 for deb in "$work"/*.deb; do dpkg-deb -f "$deb" Package Version | sed 's/^[^:]*: //' | paste -sd' '; done >"$out/VERSIONS"
 echo "make-deps: $(du -sh "$out" | cut -f1) in $out"

@@ -20,6 +20,11 @@ constexpr size_t kMacBytes = 32;
 /// \p n bytes from the system's CSPRNG.
 std::string randomBytes(size_t n);
 
+/// A MAC of \p challenge and \p clientNonce under \p key, for the handshake named by \p label:
+/// each protocol and direction has its own label, so no answer can be replayed as another's.
+std::string mac(const char *label, const std::string &key, const std::string &challenge,
+                const std::string &clientNonce);
+
 /// The client's answer to \p challenge: a MAC over both nonces under \p token.
 std::string clientMac(const std::string &token, const std::string &challenge,
                       const std::string &clientNonce);
