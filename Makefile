@@ -6,7 +6,7 @@ VENV       := .venv
 PY         := $(VENV)/bin/python
 BUILD      := build
 FUZZ_BUILD := build-fuzz
-FUZZ_TARGETS := frame_fuzz graph_fuzz session_fuzz planes_fuzz seal_fuzz
+FUZZ_TARGETS := frame_fuzz graph_fuzz session_fuzz planes_fuzz seal_fuzz store_fuzz
 FUZZ_SECONDS ?= 60
 TORCH_PIN  ?= torch==2.13.0
 DEB_PKGS   := capnproto libcapnp-dev libuv1-dev llvm-dev libgtest-dev libbenchmark-dev ninja-build ccache \

@@ -252,6 +252,20 @@ bool Table::serve(const net::Frame &frame, std::string &reply, std::optional<Wai
 // Service
 //===----------------------------------------------------------------------===//
 
+bool readHello(const net::Frame &frame, std::string &nonce, std::string &mac) {
+  try {
+    wire::Limits limits;
+    limits.maxFrameBytes = kMaxHandshakeBytes;
+    auto message = net::openFrame(frame, limits);
+    auto hello = message->getRoot<wire::StoreHello>();
+    nonce = text(hello.getNonce());
+    mac = text(hello.getMac());
+    return true;
+  } catch (const kj::Exception &) {
+    return false;
+  }
+}
+
 namespace {
 struct Connection;
 } // namespace
@@ -360,16 +374,8 @@ void onTimer(uv_timer_t *t) {
 /// Checks the peer's StoreHello; on success, answers and seals the connection.
 bool prove(Connection *c, const net::Frame &frame) {
   std::string nonce, mac;
-  try {
-    wire::Limits limits;
-    limits.maxFrameBytes = kMaxHandshakeBytes;
-    auto message = net::openFrame(frame, limits);
-    auto hello = message->getRoot<wire::StoreHello>();
-    nonce = text(hello.getNonce());
-    mac = text(hello.getMac());
-  } catch (const kj::Exception &) {
+  if (!readHello(frame, nonce, mac))
     return false;
-  }
   const std::string &secret = c->service->secret;
   if (nonce.size() != net::auth::kNonceBytes ||
       !net::auth::sameMac(mac, net::auth::mac(kClientLabel, secret, c->challenge, nonce)))

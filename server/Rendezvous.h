@@ -80,6 +80,9 @@ private:
   uint64_t bytes_ = 0, changes_ = 0;
 };
 
+/// Reads a StoreHello frame into \p nonce and \p mac; false if it is not one.
+bool readHello(const net::Frame &frame, std::string &nonce, std::string &mac);
+
 /// A store listening for the servers of one job, each served on the Service's own thread.
 class Service {
 public:

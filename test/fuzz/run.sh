@@ -11,6 +11,7 @@ case $target in
   graph_fuzz) seeds=$here/corpus/frame ;;
   planes_fuzz) seeds=$here/corpus/planes ;;
   seal_fuzz) seeds=$here/corpus/seal ;;
+  store_fuzz) seeds=$here/corpus/store ;;
   *) seeds=$here/corpus/stream ;;
 esac
 mkdir -p "$build/corpus/$target" "$here/regressions/$target"

@@ -1,6 +1,8 @@
 // A real rgpu-opserver process fed bad input over its Unix socket (peers of the test's own uid,
 // so authenticated): each bad peer gets an error or a closed connection, the server stays up,
 // and a well-behaved session alongside it keeps computing.
+#include "Rendezvous.h"
+
 #include "rgpu/net/Frame.h"
 #include "rgpu/wire/Planes.h"
 #include "rgpu/wire/Wire.h"
@@ -16,7 +18,9 @@
 #include <limits>
 #include <optional>
 #include <thread>
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -75,7 +79,7 @@ struct ServerProcess {
   bool alive() const { return pid > 0 && waitpid(pid, nullptr, WNOHANG) == 0; }
 };
 
-ServerProcess &server() {
+ServerProcess &opserver() {
   static ServerProcess s; // killed when the test binary exits
   return s;
 }
@@ -141,7 +145,7 @@ class Peer {
 public:
   Peer() : decoder_(wire::Limits().maxFrameBytes) {
     std::string error;
-    EXPECT_TRUE(socket_.connectUnix(server().socket, error)) << error;
+    EXPECT_TRUE(socket_.connectUnix(opserver().socket, error)) << error;
   }
 
   bool sendRaw(const std::string &bytes) { return socket_.sendAll(bytes); }
@@ -252,7 +256,7 @@ Peer &good() {
 
 /// The server's resident memory, in MiB.
 double serverRssMiB() {
-  FILE *f = fopen(("/proc/" + std::to_string(server().pid) + "/status").c_str(), "r");
+  FILE *f = fopen(("/proc/" + std::to_string(opserver().pid) + "/status").c_str(), "r");
   if (!f)
     return -1;
   char line[256];
@@ -270,7 +274,7 @@ double serverRssMiB() {
 constexpr double kRssBoundMiB = 768;
 
 void expectGoodSessionUnaffected() {
-  ASSERT_TRUE(server().alive());
+  ASSERT_TRUE(opserver().alive());
   EXPECT_EQ(good().squareOnServer(), (std::vector<float>{1, 4, 9}));
   EXPECT_LT(serverRssMiB(), kRssBoundMiB);
 }
@@ -293,7 +297,7 @@ public:
   }
   /// Stops the client; true if it computed at least once and never got a wrong answer.
   bool finish() {
-    while (ok_ + wrong_ == 0 && server().alive())
+    while (ok_ + wrong_ == 0 && opserver().alive())
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     stop_ = true;
     thread_.join();
@@ -544,7 +548,7 @@ TEST(Faults, UploadChunksThatWrapOrDisagreeAreRefusedWithoutTouchingMemory) {
     ASSERT_TRUE(reply) << c.why;
     std::string error = Peer::errorOf(*reply);
     EXPECT_NE(error.find(c.why), std::string::npos) << c.why << ": " << error;
-    ASSERT_TRUE(server().alive()) << c.why;
+    ASSERT_TRUE(opserver().alive()) << c.why;
   }
   // A shape whose byte span overflows int64 is a malformed meta, not a small buffer.
   ir::TensorMeta huge = ir::TensorMeta::contiguous(ir::dtype::Float, {1ll << 62, 1ll << 4});
@@ -599,7 +603,7 @@ TEST(Faults, CompressedUploadsAreCheckedBeforeAByteIsTrusted) {
     std::string error = Peer::errorOf(*reply);
     EXPECT_NE(error.find("malformed upload"), std::string::npos) << c.why << ": " << error;
     EXPECT_NE(error.find(c.why), std::string::npos) << c.why << ": " << error;
-    ASSERT_TRUE(server().alive()) << c.why;
+    ASSERT_TRUE(opserver().alive()) << c.why;
   }
   // A well-formed one arrives as the bytes it was made from.
   auto reply = bad.send(true, 2, [&](auto cmds) {
@@ -819,7 +823,7 @@ TEST(Faults, TwentyThousandConnectionsThatSayAlmostNothingLeaveTheServerServing)
   Beside beside;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, server().socket.c_str(), sizeof addr.sun_path - 1);
+  std::strncpy(addr.sun_path, opserver().socket.c_str(), sizeof addr.sun_path - 1);
   const char eight[8] = {'R', 'G', 'P', 'U', 0, 0, 0, 0};
   int refused = 0;
   for (int k = 0; k < 20000; ++k) {
@@ -832,7 +836,7 @@ TEST(Faults, TwentyThousandConnectionsThatSayAlmostNothingLeaveTheServerServing)
     ::close(fd);
   }
   EXPECT_LT(refused, 20000);
-  ASSERT_TRUE(server().alive());
+  ASSERT_TRUE(opserver().alive());
   EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }
@@ -1336,7 +1340,7 @@ TEST(Faults, AClientThatNeverReadsItsRepliesIsThrottledAndLosesNothing) {
     }, /*pack=*/true, /*wait=*/false));
   std::this_thread::sleep_for(std::chrono::seconds(3));
   EXPECT_LT(serverRssMiB(), kRssBoundMiB);
-  EXPECT_TRUE(server().alive());
+  EXPECT_TRUE(opserver().alive());
   // Every reply then arrives, whole and right.
   for (int k = 0; k < kFrames; ++k) {
     auto reply = lazy.receive();
@@ -1376,7 +1380,7 @@ TEST(Faults, ASessionPastItsMemoryQuotaGetsAnErrorAndGoesOn) {
 
 /// The server's user and system CPU time so far, in seconds.
 double serverCpuSeconds() {
-  FILE *f = fopen(("/proc/" + std::to_string(server().pid) + "/stat").c_str(), "r");
+  FILE *f = fopen(("/proc/" + std::to_string(opserver().pid) + "/stat").c_str(), "r");
   if (!f)
     return -1;
   char buf[2048];
@@ -1533,5 +1537,74 @@ TEST(Faults, AResumedSessionNeverRunsAFrameTwiceAndNeedsItsId) {
   EXPECT_EQ(Peer::errorOf(*reply), "");
   EXPECT_EQ(vec3Of(*reply), (std::vector<float>{1, 4, 9}));
   EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
+namespace {
+/// The text of a reply's one result ("" if it has none).
+std::string textOf(const net::Frame &reply) {
+  auto r = net::openFrame(reply, wire::Limits());
+  auto results = r->getRoot<wire::ServerFrame>().getResults();
+  return results.size() == 1 && results[0].isText() ? std::string(results[0].getText()) : "";
+}
+
+/// The bytes the server says \p peer's session holds (a CPU server's allocated figure).
+uint64_t allocatedBy(Peer &peer) {
+  auto reply = peer.send(true, 1, [](auto cmds) { cmds[0].initMemory().setDevice(0); });
+  auto r = net::openFrame(*reply, wire::Limits());
+  return r->getRoot<wire::ServerFrame>().getResults()[0].getMemory().getAllocated();
+}
+} // namespace
+
+TEST(Faults, TheRendezvousStoreServesOnlyTheJobsSecretAndChargesItsSession) {
+  // A session hosts its job's store; the store's port is as open as any server port.
+  Peer host;
+  host.hello();
+  auto reply = host.send(true, 1, [](auto cmds) { cmds[0].setHostStore(); });
+  ASSERT_TRUE(reply);
+  std::string storeHost, secret;
+  int port = 0;
+  ASSERT_TRUE(rgpu::server::rendezvous::parseAddress(textOf(*reply), storeHost, port, secret))
+      << textOf(*reply) << Peer::errorOf(*reply);
+  Beside beside;
+  // Without the secret: refused at the handshake.
+  rgpu::server::rendezvous::Client forger(storeHost, port, std::string(secret.size(), 'x'),
+                                    std::chrono::seconds(10));
+  EXPECT_THROW(forger.set("rgpu/job/0/0", "forged"), std::runtime_error);
+  // 20,000 connections that connect, send 8 bytes and close leave the store (and the server)
+  // serving.
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(uint16_t(port));
+  inet_pton(AF_INET, storeHost.c_str(), &addr.sin_addr);
+  const char eight[8] = {'R', 'G', 'P', 'U', 0, 0, 0, 0};
+  int refused = 0;
+  for (int k = 0; k < 20000; ++k) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    if (::connect(fd, reinterpret_cast<sockaddr *>(&addr), sizeof addr) == 0)
+      (void)!::send(fd, eight, sizeof eight, MSG_NOSIGNAL);
+    else
+      ++refused;
+    // Closed with a reset: 20,000 closes would otherwise leave as many of this machine's ports
+    // in TIME_WAIT, slowing every connect.
+    linger reset{1, 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+    ::close(fd);
+  }
+  EXPECT_LT(refused, 2000) << "the store's listen backlog refused most connections";
+  ASSERT_TRUE(opserver().alive());
+  EXPECT_TRUE(beside.finish());
+  // With it: served, and what the store holds is the hosting session's memory.
+  rgpu::server::rendezvous::Client job(storeHost, port, secret, std::chrono::seconds(10));
+  EXPECT_EQ(job.get("rgpu/job/0/0"), std::nullopt);
+  const uint64_t before = allocatedBy(host);
+  for (int k = 0; k < 8; ++k)
+    job.set("value" + std::to_string(k), std::string(1 << 20, char('a' + k)));
+  EXPECT_GE(allocatedBy(host), before + (8u << 20));
+  EXPECT_EQ(job.get("value3"), std::string(1 << 20, 'd'));
+  for (int k = 0; k < 8; ++k)
+    EXPECT_TRUE(job.deleteKey("value" + std::to_string(k)));
+  EXPECT_LT(allocatedBy(host), before + (1u << 20));
   expectGoodSessionUnaffected();
 }
