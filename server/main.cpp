@@ -131,8 +131,9 @@ memory and caches (SIZE: a number with a unit, such as 8GiB, 512MiB or 64k):
                          a torch.distributed job: the rendezvous store one of its
                          sessions hosts, and each process group's Gloo connections
                          (default: the --bind address, else 127.0.0.1). The job's other
-                         servers must reach it; the store has no authentication, so use
-                         an address only the job's machines reach
+                         servers must reach it. The store answers only servers holding
+                         the job's secret; a group's Gloo listeners take connections
+                         only until the group is set up
   --plan-cache SIZE      plans kept for graphs no session holds, least recently defined
                          dropped first (default 256MiB)
   --compiled-cache SIZE  compiled packages loaded at once, by package size (default

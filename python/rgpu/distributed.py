@@ -9,8 +9,8 @@ its own. ``DistributedDataParallel`` works unchanged on top (its buckets are all
 the servers inside the step's graph).
 
 The servers' rendezvous: rank 0's server starts a store (``rgpu-opserver --store-host``), and
-its address reaches the other ranks through the job's own store (torchrun's), so the other
-servers can connect to it. CPU tensors given to these collectives are moved to rgpu for the
+its address, which carries the secret the store asks the servers for, reaches the other ranks
+through the job's own store (torchrun's), so the other servers can connect to it. CPU tensors given to these collectives are moved to rgpu for the
 collective and back.
 """
 
