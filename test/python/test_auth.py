@@ -6,6 +6,7 @@ import resource
 import select
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -197,6 +198,36 @@ def test_two_thousand_idle_connections_cost_little_and_time_out():
     finally:
         for s in idle:
             s.close()
+        server.stop()
+
+
+def test_twenty_thousand_connections_that_say_almost_nothing_leave_a_tcp_server_serving():
+    # Connect, send 8 bytes, close, 20,000 times, at the TCP port (FaultTest does it at the
+    # Unix socket, and at the rendezvous store's port): a client training beside is served
+    # throughout.
+    from test_limits import train_beside
+
+    server = Server()
+    try:
+        beside = train_beside(server.address, 100)
+        made = 0
+        for _ in range(20000):
+            s = socket.socket()
+            # Closed with a reset: 20,000 closes would otherwise leave as many of this
+            # machine's ports in TIME_WAIT, slowing every connect.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            try:
+                s.connect(("127.0.0.1", server.port))
+                s.send(b"RGPU\0\0\0\0")
+                made += 1
+            except OSError:
+                pass  # the listen backlog was full for a moment
+            s.close()
+        assert made > 18000, made
+        out, err = beside.communicate(timeout=120)
+        assert beside.returncode == 0 and out.strip() == "True", err
+        assert server.alive()
+    finally:
         server.stop()
 
 
