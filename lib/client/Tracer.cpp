@@ -91,6 +91,42 @@ bool isDataDependent(llvm::StringRef name) {
   return ops.count(name) != 0;
 }
 
+/// A boolean-mask assignment whose value needs no count of the mask's true elements
+/// (`x[mask] = 0.0`, top-k sampling's `logits[logits < v] = -inf`): its output has `self`'s
+/// shape, so it is traced, and the server runs it as the CPU does. Only where the CPU could
+/// raise nothing the server would raise later: one bool mask after only Nones, of exactly the
+/// sizes of the dimensions it covers, and a value of self's dtype, of one element and at most
+/// one dimension (which broadcasts to any count, zero too).
+bool maskNeedsNoCount(llvm::StringRef name, c10::ArrayRef<c10::IValue> args) {
+  if (name != "aten::index_put" && name != "aten::index_put_" &&
+      name != "aten::_index_put_impl" && name != "aten::_index_put_impl_")
+    return false;
+  if (args.size() < 3 || !args[0].isTensor() || !args[1].isList() || !args[2].isTensor())
+    return false;
+  const at::Tensor &self = args[0].toTensor(), &values = args[2].toTensor();
+  if (values.sym_numel() != 1 || values.dim() > 1 || values.scalar_type() != self.scalar_type())
+    return false;
+  int64_t at = 0;
+  bool mask = false;
+  for (const c10::IValue &item : args[1].toListRef()) {
+    const bool none = item.isNone() || !item.toTensor().defined();
+    if (mask)
+      return false; // anything after the mask
+    if (none) {
+      ++at;
+      continue;
+    }
+    const at::Tensor &m = item.toTensor();
+    if (m.scalar_type() != at::kBool || at + m.dim() > self.dim())
+      return false;
+    for (int64_t d = 0; d < m.dim(); ++d)
+      if (m.sym_sizes()[d] != self.sym_sizes()[at + d])
+        return false;
+    mask = true;
+  }
+  return mask;
+}
+
 /// Ops that produce layouts other than strided (sparse, mkldnn, quantized, nested). The server
 /// holds strided tensors only, so they are refused at the call.
 bool producesOtherLayouts(llvm::StringRef name) {
@@ -255,6 +291,8 @@ public:
     meta_.reserve(args.size());
     for (size_t i = 0; i < args.size(); ++i)
       addArg(args[i], info_.args[i], schema.arguments()[i]);
+    if (dataDependent && maskNeedsNoCount(info_.name.name, args))
+      dataDependent = false;
   }
 
   bool dataDependent = false;
