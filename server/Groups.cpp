@@ -48,9 +48,17 @@ struct Groups::State {
   std::set<std::string> names;
 };
 
+namespace {
+std::atomic<int> gStores{0}; ///< stores the server's sessions host
+} // namespace
+
 Groups::Groups() : s_(std::make_unique<State>()) {}
 
 Groups::~Groups() {
+  if (s_->hosted) {
+    s_->hosted.reset();
+    --gStores;
+  }
 #ifdef RGPU_WITH_GLOO
   for (const std::string &name : s_->names)
     c10d::unregister_process_group(name);
@@ -69,9 +77,19 @@ namespace {
 std::string Groups::hostStore(const std::string &host, std::function<bool(int64_t)> charge) {
 #ifdef RGPU_WITH_GLOO
   if (!s_->hosted) { // one store serves every group of the job
-    std::string secret = net::auth::randomBytes(rendezvous::kSecretBytes);
-    s_->hosted = std::make_unique<rendezvous::Service>(host, secret, std::move(charge));
-    s_->hostedAddress = rendezvous::address(host, s_->hosted->port(), secret);
+    if (++gStores > kMaxStores) {
+      --gStores;
+      throw std::runtime_error("this server hosts " + std::to_string(kMaxStores) +
+                               " rendezvous stores already; host one once a job ends");
+    }
+    try {
+      std::string secret = net::auth::randomBytes(rendezvous::kSecretBytes);
+      s_->hosted = std::make_unique<rendezvous::Service>(host, secret, std::move(charge));
+      s_->hostedAddress = rendezvous::address(host, s_->hosted->port(), secret);
+    } catch (...) {
+      --gStores;
+      throw;
+    }
   }
   return s_->hostedAddress;
 #else

@@ -45,6 +45,9 @@ public:
   /// At most this many groups per session, of at most this many ranks, with key prefixes of at
   /// most this many bytes.
   static constexpr size_t kMaxGroups = 16;
+  /// At most this many sessions of the server host a store at once (each is a thread and a
+  /// listener).
+  static constexpr int kMaxStores = 64;
   static constexpr int kMaxRanks = 4096;
   static constexpr size_t kMaxPrefix = 256;
 

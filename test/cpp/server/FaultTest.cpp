@@ -1608,3 +1608,37 @@ TEST(Faults, TheRendezvousStoreServesOnlyTheJobsSecretAndChargesItsSession) {
   EXPECT_LT(allocatedBy(host), before + (1u << 20));
   expectGoodSessionUnaffected();
 }
+
+TEST(Faults, EachSessionHostsOneStoreAndTheServerABoundedNumber) {
+  auto hostStore = [](Peer &peer) {
+    auto reply = peer.send(true, 1, [](auto cmds) { cmds[0].setHostStore(); });
+    return reply ? textOf(*reply) + Peer::errorOf(*reply) : std::string("no reply");
+  };
+  auto first = std::make_unique<Peer>();
+  first->hello();
+  const std::string address = hostStore(*first);
+  EXPECT_EQ(hostStore(*first), address); // one store serves every group of the job
+  std::vector<std::unique_ptr<Peer>> hosts;
+  std::string refusal;
+  for (int k = 0; k < 100 && refusal.empty(); ++k) {
+    hosts.push_back(std::make_unique<Peer>());
+    hosts.back()->hello();
+    std::string answer = hostStore(*hosts.back());
+    if (answer.find('#') == std::string::npos)
+      refusal = answer;
+  }
+  EXPECT_NE(refusal.find("rendezvous stores already"), std::string::npos) << refusal;
+  EXPECT_LE(hosts.size(), 64u);
+  // A session that ends gives its store back.
+  first->send(false, 1, [](auto cmds) { cmds[0].setBye(); });
+  first.reset();
+  std::string again;
+  for (int k = 0; k < 50 && again.find('#') == std::string::npos; ++k) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    again = hostStore(*hosts.back());
+  }
+  EXPECT_NE(again.find('#'), std::string::npos) << again;
+  for (auto &peer : hosts)
+    peer->send(false, 1, [](auto cmds) { cmds[0].setBye(); });
+  expectGoodSessionUnaffected();
+}
