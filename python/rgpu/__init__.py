@@ -10,8 +10,11 @@ The server address comes from ``RGPU_OPSERVER`` or ``rgpu.set_server(...)``: ``u
 """
 
 import atexit
+import contextvars
+import functools
 import logging
 import os
+import warnings
 
 import torch
 
@@ -337,28 +340,61 @@ def _patch_copy_into_other_devices():
     torch.Tensor.copy_ = copy_
 
 
-def _refuse_local_inductor():
-    # torch.compile's default backend compiles for this machine and fails deep inside Inductor
-    # (KeyError: 'rgpu') on tensors it cannot place; say what to use instead.
+_explicit_inductor = contextvars.ContextVar("rgpu_explicit_inductor", default=False)
+
+
+def _compile_rgpu_tensors_on_the_server():
+    # Plain torch.compile(model) (what nanoGPT's --compile and most tutorials write) on rgpu
+    # tensors compiles through the rgpu backend: the server's Inductor. backend="inductor"
+    # written out asks for this machine's Inductor, which cannot run rgpu tensors: that is
+    # refused, saying what to write. Code without rgpu tensors compiles as it always did.
+    original_compile = torch.compile
+
+    @functools.wraps(original_compile)
+    def compile(model=None, **kwargs):
+        if model is None:  # @torch.compile(...) on a function: the same, once it is given
+            return lambda m: compile(m, **kwargs)
+        token = _explicit_inductor.set(kwargs.get("backend") == "inductor")
+        try:
+            return original_compile(model, **kwargs)
+        finally:
+            _explicit_inductor.reset(token)
+
+    torch.compile = compile
     wrapper = torch._TorchCompileInductorWrapper
-    original = wrapper.__call__
+    original_init, original_call = wrapper.__init__, wrapper.__call__
+
+    def __init__(self, mode, options, dynamic, *args, **kwargs):
+        original_init(self, mode, options, dynamic, *args, **kwargs)
+        self._rgpu_explicit = _explicit_inductor.get()
+        self._rgpu_mode = mode
 
     def __call__(self, model_, inputs_, **kwargs):
-        if any(isinstance(t, torch.Tensor) and t.device.type == "rgpu" for t in inputs_):
+        if not any(isinstance(t, torch.Tensor) and t.device.type == "rgpu" for t in inputs_):
+            return original_call(self, model_, inputs_, **kwargs)
+        if getattr(self, "_rgpu_explicit", False):
             raise UnsupportedOpError(
-                "torch.compile with the default backend (inductor) compiles for this machine and "
-                "cannot run rgpu tensors; use torch.compile(model, backend=\"rgpu\"), which "
-                "compiles the graph with Inductor on rgpu-opserver")
-        return original(self, model_, inputs_, **kwargs)
+                "torch.compile(backend=\"inductor\") compiles for this machine and cannot run "
+                "rgpu tensors; leave backend out (or write backend=\"rgpu\"): rgpu compiles the "
+                "graph with Inductor on rgpu-opserver")
+        mode = getattr(self, "_rgpu_mode", None)
+        if mode not in (None, "default"):
+            warnings.warn(f"torch.compile(mode={mode!r}) on rgpu tensors: the mode is ignored; "
+                          "rgpu-opserver compiles with its own --compile-mode", stacklevel=2)
+        from .backend import compile_backend
 
+        return compile_backend()(model_, inputs_)
+
+    wrapper.__init__ = __init__
     wrapper.__call__ = __call__
 
 
 _patch_printing()
 _patch_copy_into_other_devices()
-_refuse_local_inductor()
+_compile_rgpu_tensors_on_the_server()
 
 from . import _fused, _inplace, _nested, _rng, _transfer  # noqa: E402
+from . import backend  # noqa: E402,F401  (dynamo's fake tensors take rgpu parameters as they are)
 
 _transfer.install()
 _fused.install()

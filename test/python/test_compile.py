@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import rgpu
 
@@ -187,9 +188,86 @@ def test_a_custom_op_called_through_torch_ops_raises_naming_it():
     assert rgpu.UnsupportedOpError in raised_chain(info)
 
 
-def test_the_default_backend_on_rgpu_tensors_says_to_use_backend_rgpu():
-    f = torch.compile(lambda x: x.sin() + 1)
-    with pytest.raises(Exception, match='backend="rgpu"') as info:
+class NanoGPT(nn.Module):
+    """A GPT written as nanoGPT's model.py writes one: fused qkv projection, causal
+    scaled_dot_product_attention, a GELU MLP, pre-norm blocks, tied embedding and head."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2, context=16):
+        super().__init__()
+        self.heads = heads
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(dict(ln_1=nn.LayerNorm(dim), c_attn=nn.Linear(dim, 3 * dim),
+                               c_proj=nn.Linear(dim, dim), ln_2=nn.LayerNorm(dim),
+                               c_fc=nn.Linear(dim, 4 * dim), mlp_proj=nn.Linear(4 * dim, dim)))
+            for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets):
+        b, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for blk in self.blocks:
+            q, k, v = blk["c_attn"](blk["ln_1"](x)).split(x.shape[-1], dim=2)
+            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["c_proj"](y.transpose(1, 2).contiguous().view(b, t, -1))
+            x = x + blk["mlp_proj"](F.gelu(blk["c_fc"](blk["ln_2"](x))))
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-1)
+
+
+def test_plain_torch_compile_trains_a_nanogpt_style_model_like_eager_rgpu():
+    # nanoGPT's --compile=True: `model = torch.compile(model)`, no backend named. On rgpu
+    # tensors that compiles through the rgpu backend (the server's Inductor).
+    torch.manual_seed(0)
+    eager = NanoGPT().to("rgpu")
+    plain = copy.deepcopy(eager)
+    compiled = torch.compile(plain)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, plain)]
+    for step in range(10):
+        x, y = (t.to("rgpu") for t in gpt_batch(step))
+        losses, waits = [], []
+        for model, opt in ((eager, opts[0]), (compiled, opts[1])):
+            before = rgpu.stats()["waits"]
+            opt.zero_grad(set_to_none=True)
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            waits.append(rgpu.stats()["waits"] - before)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        if step > 0:
+            assert waits[1] <= 1, (step, waits)  # 0 when its reply came unasked
+    for p, q in zip(plain.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-5, atol=1e-6)
+    reasons = [g["reason"] for g in rgpu._C.metrics()["graphs"]]
+    assert "torch.compile forward graph" in reasons and "torch.compile backward graph" in reasons
+
+
+def test_plain_torch_compile_of_functions_and_decorators_runs_on_the_server():
+    @torch.compile
+    def f(x):
+        return x.sin() + 1
+
+    @torch.compile(dynamic=False)
+    def g(x):
+        return (x * 2).cos()
+
+    x = torch.randn(5)
+    torch.testing.assert_close(f(x.to("rgpu")).cpu(), x.sin() + 1)
+    torch.testing.assert_close(g(x.to("rgpu")).cpu(), (x * 2).cos())
+    h = torch.compile(lambda x: x.exp(), mode="max-autotune")
+    with pytest.warns(UserWarning, match="mode is ignored"):
+        torch.testing.assert_close(h(x.to("rgpu")).cpu(), x.exp())
+
+
+def test_backend_inductor_written_out_on_rgpu_tensors_says_what_to_write():
+    f = torch.compile(lambda x: x.sin() + 1, backend="inductor")
+    with pytest.raises(Exception, match="leave backend out") as info:
         f(torch.ones(3, device="rgpu"))
     assert rgpu.UnsupportedOpError in raised_chain(info)
 
