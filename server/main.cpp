@@ -1240,8 +1240,9 @@ int main(int argc, char **argv) {
                   " CUDA device(s), numbered from 0");
     devices.emplace_back(at::kCUDA, c10::DeviceIndex(index));
   }
-  if (devices.empty() || devices.size() > 64)
-    return fail("--devices takes 1 to 64 devices, not '" + device + "'");
+  if (devices.empty() || devices.size() > size_t(wire::kMaxDevices))
+    return fail("--devices takes 1 to " + std::to_string(wire::kMaxDevices) + " devices, not '" +
+                device + "'");
   if (std::any_of(devices.begin(), devices.end(),
                   [&](const at::Device &d) { return d.type() != devices[0].type(); }))
     return fail("--devices " + device + " mixes CPU and CUDA devices");

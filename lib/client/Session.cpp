@@ -614,6 +614,13 @@ void Session::markStep(bool wait, const char *reason, const std::string &executo
     raise(ErrorKind::SessionLost, transport_.lostReason());
   site_ = site;
   cut(reason, executor);
+  // A process that has not started its session does not start one for seeds alone
+  // (torch.manual_seed seeds rgpu as it seeds every device, and frameworks that train on the
+  // CPU call it): they go with its first frame that the server must act on.
+  if (!started() && std::all_of(queue_.begin(), queue_.end(), [](const Command &c) {
+        return c.kind == wire::Command::SEED;
+      }))
+    return;
   if (wait) {
     Command sync;
     sync.kind = wire::Command::SYNC;

@@ -1271,8 +1271,12 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
     return true;
   }
   void synchronizeStream(const c10::Stream &) const override { Session::get().synchronize(); }
+  /// Until this process starts its session, the most devices a server may have: torch's
+  /// autograd engine sizes its device threads by this at the first backward, a CPU one too,
+  /// which must not start a session (nor fail for want of a server).
   c10::DeviceIndex deviceCount() const noexcept override {
-    return c10::DeviceIndex(Session::get().deviceCount());
+    return Session::get().started() ? c10::DeviceIndex(Session::get().deviceCount())
+                                    : c10::DeviceIndex(wire::kMaxDevices);
   }
   // An event marks a point of the trace; waiting for it waits for everything traced so far
   // (a superset of what came before it). There is no device clock to time it by.
@@ -1339,7 +1343,10 @@ struct NoAllocator final : c10::DeviceAllocator {
   }
   static void deleteNothing(void *) {}
 
-  bool initialized() override { return true; }
+  /// As CUDA's allocator before CUDA starts: until this process starts its session, the server
+  /// holds nothing of it, and torch.accelerator's memory functions do nothing (frameworks call
+  /// them when they train on the CPU too).
+  bool initialized() override { return Session::get().started(); }
   void emptyCache(c10::MempoolId_t) override {
     for (int d = 0, n = Session::get().deviceCount(); d < n; ++d)
       Session::get().deviceMemory(d, false, true);

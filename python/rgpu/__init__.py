@@ -393,10 +393,11 @@ _patch_printing()
 _patch_copy_into_other_devices()
 _compile_rgpu_tensors_on_the_server()
 
-from . import _fused, _inplace, _nested, _rng, _transfer  # noqa: E402
+from . import _frameworks, _fused, _inplace, _nested, _rng, _transfer  # noqa: E402
 from . import backend  # noqa: E402,F401  (dynamo's fake tensors take rgpu parameters as they are)
 
 _transfer.install()
+_frameworks.install()
 _fused.install()
 _rng.install()
 _nested.install()

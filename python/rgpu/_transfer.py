@@ -2,12 +2,14 @@
 
 Four things differ from a CUDA tensor, and each is handled here:
 
-* **Tied weights.** ``model.to("cuda")`` keeps every Parameter object (``param.data = new``), so
-  a weight shared by two modules stays one Parameter. That path needs tensors of compatible
-  kinds; an rgpu tensor is a functionalization wrapper, which a CPU tensor's storage cannot
-  become, so ``nn.Module._apply`` makes a new Parameter per module, and a tied weight would
-  silently become two. ``_apply`` below converts each distinct tensor once per move and gives
-  every module that held it the same result.
+* **Parameters and tied weights.** ``model.to("cuda")`` keeps every Parameter object
+  (``param.data = new``), so an optimizer made before the move steps what the model computes
+  with, and a weight shared by two modules stays one Parameter. ``.data =`` needs tensors of
+  compatible kinds, and an rgpu tensor is a functionalization wrapper, which a CPU tensor
+  cannot become; so a move between the CPU and rgpu swaps each Parameter's contents with its
+  converted tensor (``torch.utils.swap_tensors``, torch's own way for such moves), and
+  ``_apply`` below converts each distinct tensor once per move and gives every module that
+  held it the same result.
 * **One round trip per move.** Reading a tensor back waits for the server; a model moved to the
   CPU reads all of its tensors, so they are fetched together, in one frame.
 * **Saving.** An rgpu tensor has no CPU-readable storage. ``torch.save`` fetches every rgpu
@@ -84,9 +86,13 @@ class _Move:
         def convert(t):
             hit = self.results.get(id(t))
             if hit is not None and hit[0] is t:
-                return hit[1]
+                out, where = hit[1], hit[2]
+                # A Parameter (or its grad) that torch swapped with its result holds the
+                # result now, and the result what it held.
+                return out if (out.device, out.dtype) == where else t
             out = fn(t)
-            self.results[id(t)] = (t, out)  # holds t, so its id is not reused meanwhile
+            # Holds t, so that its id is not reused meanwhile.
+            self.results[id(t)] = (t, out, (out.device, out.dtype))
             return out
 
         convert._rgpu_move = self
@@ -100,9 +106,33 @@ def _apply(self, fn, recurse=True):
     move = getattr(fn, "_rgpu_move", None)
     if move is None:
         move = _Move(fn)
+        # Every tensor converted first, together (one round trip for a move to the CPU); the
+        # modules then take the converted tensors (converted once each) from the move.
         with downloads_together(_module_tensors(self)):
+            for t in _module_tensors(self):
+                move.fn(t)
+        with _keeping_parameters(self, move):
             return _apply_once(self, move, recurse)
     return _apply_once(self, move, recurse)
+
+
+@contextlib.contextmanager
+def _keeping_parameters(module, move):
+    """A move between the CPU and rgpu keeps every Parameter object, as a move to CUDA does: an
+    optimizer made before `model.to("rgpu")` (accelerate's `prepare(model, optimizer)` does
+    that) steps the parameters the model computes with. `.data =` cannot make a CPU tensor an
+    rgpu one, so the move swaps each Parameter's contents with its converted tensor
+    (torch.utils.swap_tensors, torch's own way for such moves)."""
+    first = next(module.parameters(), None)
+    crosses = first is not None and "rgpu" in (first.device.type, move.fn(first).device.type)
+    if not crosses or torch.__future__.get_swap_module_params_on_conversion():
+        yield
+        return
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
 
 
 def _apply_once(module, move, recurse):

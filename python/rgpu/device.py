@@ -259,7 +259,11 @@ def reset_max_memory_allocated(device=None) -> None:
 
 
 def empty_cache() -> None:
-    """Gives the server allocator's cached blocks that no tensor uses back to the device."""
+    """Gives the server allocator's cached blocks that no tensor uses back to the device.
+    Before this process has started its session there is nothing of it to give back: as
+    torch.cuda's before CUDA starts, it does nothing (frameworks call it on the CPU too)."""
+    if not _C.started():
+        return
     for index in range(device_count()):
         _memory(index, empty_cache=True)
 

@@ -431,6 +431,8 @@ PYBIND11_MODULE(_C, m) {
     out["sites"] = sites;
     return out;
   });
+  m.def("started", []() { return Session::get().started(); },
+        "Whether this process ever started its session on a server.");
   m.def("server_hello", []() {
     Transport::ServerHello h;
     {

@@ -363,3 +363,25 @@ def test_batchnorm_running_statistics_update_when_the_output_is_unused():
         averaged[device] = [b.cpu() for b in swa.buffers()]  # n_averaged is a CPU tensor
     for b, c in zip(averaged[R], averaged["cpu"]):
         torch.testing.assert_close(b, c)
+
+
+def test_a_model_moved_after_its_optimizer_was_made_keeps_its_parameters():
+    # As a move to CUDA does: the optimizer (made first, as accelerate's prepare(model,
+    # optimizer) has it) steps the very parameters the model computes with, tied ones too.
+    torch.manual_seed(0)
+    cpu = TiedGPT()
+    dev = copy.deepcopy(cpu)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (cpu, dev)]
+    before = list(dev.parameters())
+    dev.to(R)
+    assert all(p is q for p, q in zip(before, dev.parameters()))
+    assert all(p.device.type == "rgpu" for p in before)
+    for step in range(3):
+        for model, opt, device in ((cpu, opts[0], "cpu"), (dev, opts[1], R)):
+            opt.zero_grad()
+            model(*[t.to(device) for t in gpt_batch(step)]).backward()
+            opt.step()
+    for p, q in zip(dev.parameters(), cpu.parameters()):
+        same(p, q, rtol=1e-4, atol=1e-5)
+    dev.to("cpu")
+    assert all(p is q and p.device.type == "cpu" for p, q in zip(before, dev.parameters()))

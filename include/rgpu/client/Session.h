@@ -217,6 +217,9 @@ public:
 
   /// After a lost connection every call raises SessionLost; this is why.
   bool lost() const { return transport_.lost(); }
+  /// Whether this process ever started its session on a server: until then the server holds
+  /// nothing of it, and queries of the server's state need not start one.
+  bool started() const { return transport_.started(); }
   /// Resumes after a dropped connection: how many times it did.
   uint64_t reconnects() const { return transport_.reconnects(); }
   /// Ends this session on the server (at exit), keeping nothing there for a resume.

@@ -47,6 +47,8 @@ public:
   std::string failed() const;
 
   bool connected() const { return socket_.connected(); }
+  /// Whether a session was ever started on a server (a Hello sent), lost since or not.
+  bool started() const { return !sessionId_.empty(); }
   /// After SessionLost, every call raises it again with this reason, until reset().
   bool lost() const { return !lostReason_.empty(); }
   const std::string &lostReason() const { return lostReason_; }

@@ -19,6 +19,8 @@ namespace rgpu::wire {
 
 /// Wire protocol version; bumped on any incompatible schema change.
 constexpr uint32_t kProtocolVersion = 9;
+/// The most devices one server has (rgpu-opserver --devices).
+constexpr int kMaxDevices = 64;
 
 /// Limits applied to every message a peer sends.
 struct Limits {

@@ -1,0 +1,122 @@
+"""The layers people drive training through, with rgpu imported and nothing else changed:
+Hugging Face's Trainer and accelerate train on rgpu exactly as on the CPU, and on the CPU when
+asked, without touching the server. Each run is a process of its own, as a user's script is
+(accelerate keeps its device for the life of a process)."""
+
+import json
+import os
+import textwrap
+
+import torch
+from conftest import run_client
+
+TRAINER = textwrap.dedent("""
+    import json, sys, torch, rgpu
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32,
+                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(i))
+            return {{"input_ids": ids, "labels": ids.clone()}}
+
+    args = TrainingArguments(output_dir={out!r}, max_steps=10, per_device_train_batch_size=4,
+                             learning_rate=1e-3, report_to=[], logging_steps=1,
+                             save_strategy="steps", save_steps=5, use_cpu={use_cpu},
+                             seed=0, data_seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    before = rgpu.stats()["messages"]
+    trainer.train(resume_from_checkpoint={resume!r})
+    messages = rgpu.stats()["messages"] - before
+    trainer.save_model({out!r} + "/final")
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    print(json.dumps({{"device": str(args.device), "losses": losses, "messages": messages,
+                      "where": str(next(model.parameters()).device)}}))
+""")
+
+
+def trainer_run(address, out, use_cpu, resume=None):
+    r = run_client(address, TRAINER.format(out=str(out), use_cpu=use_cpu, resume=resume),
+                   timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def final_weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(out, "final", "model.safetensors"))
+
+
+def test_hf_trainer_trains_on_rgpu_like_the_cpu_and_on_the_cpu_when_asked(server, tmp_path):
+    import rgpu
+
+    sessions = rgpu.server_stats()["sessions"]
+    cpu = trainer_run(server.address, tmp_path / "cpu", use_cpu=True)
+    assert cpu["device"] == "cpu" and cpu["where"] == "cpu", cpu
+    # use_cpu never touches the server: no message, not even a session at exit.
+    assert cpu["messages"] == 0, cpu
+    assert rgpu.server_stats()["sessions"] == sessions
+    dev = trainer_run(server.address, tmp_path / "rgpu", use_cpu=False)
+    assert dev["device"].startswith("rgpu") and dev["where"].startswith("rgpu"), dev
+    assert dev["messages"] > 0
+    assert len(dev["losses"]) == 10
+    torch.testing.assert_close(dev["losses"], cpu["losses"], rtol=1e-5, atol=1e-6)
+    want = final_weights(tmp_path / "cpu")
+    got = final_weights(tmp_path / "rgpu")
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+    # Resumed from its step-5 checkpoint, the run ends where the uninterrupted one did.
+    resumed = trainer_run(server.address, tmp_path / "rgpu", use_cpu=False,
+                          resume=str(tmp_path / "rgpu" / "checkpoint-5"))
+    torch.testing.assert_close(resumed["losses"][-5:], dev["losses"][-5:], rtol=1e-5, atol=1e-6)
+    for name, tensor in final_weights(tmp_path / "rgpu").items():
+        torch.testing.assert_close(tensor, want[name], rtol=1e-5, atol=1e-6)
+
+
+ACCELERATE = textwrap.dedent("""
+    import json, torch, torch.nn.functional as F, rgpu
+    from accelerate import Accelerator
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
+                                       n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0))
+    # SGD: Adam's first steps are the sign of each gradient, which turns a difference in the
+    # last bit of a gradient that is almost 0 into one of the learning rate.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ids = torch.randint(0, 100, (32, 16), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8)
+    accelerator = Accelerator(cpu={cpu})
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    losses, where = [], set()
+    for (batch,) in loader:
+        where.add(str(batch.device))
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    print(json.dumps({{"device": str(accelerator.device), "where": sorted(where),
+                      "losses": losses}}))
+""")
+
+
+def test_an_accelerate_loop_trains_on_rgpu_like_the_cpu(server):
+    runs = []
+    for cpu in (True, False):
+        r = run_client(server.address, ACCELERATE.format(cpu=cpu), timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    on_cpu, on_rgpu = runs
+    assert on_cpu["device"] == "cpu" and on_cpu["where"] == ["cpu"], on_cpu
+    assert on_rgpu["device"] == "rgpu" and on_rgpu["where"] == ["rgpu:0"], on_rgpu
+    torch.testing.assert_close(on_rgpu["losses"], on_cpu["losses"], rtol=1e-5, atol=1e-6)
