@@ -31,7 +31,12 @@ $(VENV)/.stamp:
 	$(PY) -m pip install -q "$(TORCH_PIN)" numpy pytest expecttest cmake ninja setuptools safetensors transformers==5.24.0
 	touch $@
 
-venv: $(VENV)/.stamp
+# The training frameworks test_frameworks.py drives (a venv made before them gets them too).
+$(VENV)/.frameworks: | $(VENV)/.stamp
+	$(PY) -m pip install -q "$(TORCH_PIN)" accelerate==1.16.0 lightning==2.6.6
+	touch $@
+
+venv: $(VENV)/.stamp $(VENV)/.frameworks
 
 $(BUILD)/build.ninja: CMakeLists.txt | $(VENV)/.stamp
 	$(VENV)/bin/cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \

@@ -12,11 +12,19 @@ CUDA), as it is cuda on a CUDA machine, and frameworks that ask it train there:
   says rgpu (and only then: set for good, it would also override `use_cpu`, which accelerate
   gives way to it). A user's own `ACCELERATE_TORCH_DEVICE` is left as it is.
 
+* **Lightning** has no accelerator for rgpu, and chooses by name among those it knows: rgpu
+  registers one in Lightning's own registry, so `Trainer(accelerator="rgpu")` needs no user
+  code; it trains on one device (the strategy Lightning picks for a device it does not know is
+  the CPU's, whose device the accelerator sets to the rgpu one when training starts). With
+  `accelerator="auto"` Lightning picks rgpu where rgpu is the accelerator, as it picks cuda,
+  so a model on rgpu is never trained on the CPU behind the user's back.
+
 Each patch is applied when its module is imported (or at once if it was), and does nothing to
 a release that lacks what it patches.
 """
 
 import functools
+import importlib
 import importlib.abc
 import importlib.util
 import os
@@ -55,6 +63,92 @@ def _patch_training_arguments(module):
     cls._setup_devices = patched
 
 
+def _register_lightning_accelerator(module):
+    """`module`: lightning.pytorch.accelerators (or pytorch_lightning.accelerators)."""
+    registry = getattr(module, "AcceleratorRegistry", None)
+    base = getattr(module, "Accelerator", None)
+    if registry is None or base is None or "rgpu" in registry:
+        return
+    package = module.__name__.rsplit(".", 1)[0]
+
+    def devices_of(devices):
+        if devices in ("auto", -1, "-1"):
+            return list(range(torch.rgpu.device_count()))
+        if isinstance(devices, str):
+            devices = [int(d) for d in devices.split(",") if d.strip()] if "," in devices \
+                else int(devices)
+        if isinstance(devices, int):
+            return list(range(devices))
+        return [int(d) for d in devices]
+
+    class RgpuAccelerator(base):
+        """rgpu-opserver's devices (rgpu:0, rgpu:1, ...)."""
+
+        def setup_device(self, device):
+            if device.type == "rgpu":
+                torch.rgpu.set_device(device)
+
+        def setup(self, trainer):
+            # Lightning gives a device it does not know the CPU's single-device strategy.
+            strategy = trainer.strategy
+            single = importlib.import_module(package + ".strategies")  # not while Lightning loads
+            if isinstance(strategy, single.SingleDeviceStrategy) and \
+                    strategy.root_device.type != "rgpu":
+                chosen = getattr(trainer, "_accelerator_connector", None)
+                devices = getattr(chosen, "_parallel_devices", None) or [torch.device("rgpu", 0)]
+                strategy._root_device = devices[0]
+                torch.rgpu.set_device(devices[0])
+            super().setup(trainer)
+
+        def get_device_stats(self, device):
+            index = torch.device(device).index or 0
+            return {"allocated_bytes.all.current": torch.rgpu.memory_allocated(index),
+                    "allocated_bytes.all.peak": torch.rgpu.max_memory_allocated(index)}
+
+        def teardown(self):
+            pass
+
+        @staticmethod
+        def parse_devices(devices):
+            return devices_of(devices)
+
+        @staticmethod
+        def get_parallel_devices(devices):
+            return [torch.device("rgpu", i) for i in devices_of(devices)]
+
+        @staticmethod
+        def auto_device_count():
+            return torch.rgpu.device_count()
+
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def name():
+            return "rgpu"
+
+        @classmethod
+        def register_accelerators(cls, accelerator_registry):
+            accelerator_registry.register("rgpu", cls, description=cls.__doc__)
+
+    RgpuAccelerator.register_accelerators(registry)
+
+
+def _lightning_picks_rgpu(module):
+    """`module`: Lightning's accelerator connector, whose "auto" picks tpu, mps, cuda or cpu."""
+    original = getattr(module, "_select_auto_accelerator", None)
+    if original is None or getattr(original, "_rgpu", False):
+        return
+
+    def _select_auto_accelerator():
+        chosen = original()
+        return "rgpu" if chosen == "cpu" and _rgpu_is_the_accelerator() else chosen
+
+    _select_auto_accelerator._rgpu = True
+    module._select_auto_accelerator = _select_auto_accelerator
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs `patch(module)` once `name` is imported (its loader ran), before the importer sees
     the module."""
@@ -91,3 +185,6 @@ def _after_import(name, patch):
 
 def install():
     _after_import("transformers.training_args", _patch_training_arguments)
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        _after_import(package + ".accelerators", _register_lightning_accelerator)
+        _after_import(package + ".trainer.connectors.accelerator_connector", _lightning_picks_rgpu)

@@ -120,3 +120,52 @@ def test_an_accelerate_loop_trains_on_rgpu_like_the_cpu(server):
     assert on_cpu["device"] == "cpu" and on_cpu["where"] == ["cpu"], on_cpu
     assert on_rgpu["device"] == "rgpu" and on_rgpu["where"] == ["rgpu:0"], on_rgpu
     torch.testing.assert_close(on_rgpu["losses"], on_cpu["losses"], rtol=1e-5, atol=1e-6)
+
+
+LIGHTNING = textwrap.dedent("""
+    import json, torch, rgpu
+    import lightning as L
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+
+    class SmallGPT(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.gpt = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
+                                                  n_positions=32, resid_pdrop=0.0,
+                                                  embd_pdrop=0.0, attn_pdrop=0.0))
+            self.seen = []
+
+        def training_step(self, batch, index):
+            (ids,) = batch
+            loss = self.gpt(input_ids=ids, labels=ids).loss
+            self.seen.append((loss.item(), str(ids.device), str(self.gpt.lm_head.weight.device)))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    ids = torch.randint(0, 100, (32, 16), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8)
+    model = SmallGPT()
+    trainer = L.Trainer(accelerator={accelerator!r}, devices=1, max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, loader)
+    print(json.dumps(model.seen))
+""")
+
+
+def test_lightning_trains_on_rgpu_by_name_and_by_auto_like_the_cpu(server):
+    runs = {}
+    for accelerator in ("cpu", "rgpu", "auto"):
+        r = run_client(server.address, LIGHTNING.format(accelerator=accelerator), timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[accelerator] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {(d, w) for _, d, w in runs["cpu"]} == {("cpu", "cpu")}
+    for accelerator in ("rgpu", "auto"):  # auto: rgpu is the accelerator, as cuda would be
+        seen = runs[accelerator]
+        assert {(d, w) for _, d, w in seen} == {("rgpu:0", "rgpu:0")}, seen
+        assert len(seen) == 8
+        torch.testing.assert_close([v for v, _, _ in seen], [v for v, _, _ in runs["cpu"]],
+                                   rtol=1e-5, atol=1e-6)
