@@ -40,6 +40,7 @@ import contextlib
 import copy
 import functools
 import threading
+import warnings
 
 import torch
 
@@ -111,7 +112,17 @@ def _apply(self, fn, recurse=True):
         with downloads_together(_module_tensors(self)):
             for t in _module_tensors(self):
                 move.fn(t)
-        with _keeping_parameters(self, move):
+        try:
+            with _keeping_parameters(self, move):
+                return _apply_once(self, move, recurse)
+        except RuntimeError as e:
+            if "Couldn't swap" not in str(e):
+                raise
+            # A Parameter that something else holds too (a live autograd graph, a weak
+            # reference) cannot be swapped: the rest get new Parameters, as before.
+            warnings.warn(f"moving {type(self).__name__} between the CPU and rgpu made new "
+                          f"Parameter objects ({e}): make optimizers after the move",
+                          stacklevel=3)
             return _apply_once(self, move, recurse)
     return _apply_once(self, move, recurse)
 
