@@ -11,6 +11,7 @@
 //===----------------------------------------------------------------------===//
 #include "rgpu/client/Generator.h"
 #include "rgpu/client/InplaceChecks.h"
+#include "rgpu/client/KnownValues.h"
 #include "rgpu/client/LazyTensor.h"
 #include "rgpu/client/MetaKernels.h"
 #include "rgpu/client/PinnedMemory.h"
@@ -1103,6 +1104,7 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
                          : makeLazy(Value{node, i, nullptr}, node->node.outputs[i], device,
                                     metas.bits[i]));
     listSizes = metas.listSizes;
+    computeKnown(op, torch::jit::last(*stack, nargs), *node);
   } else {
     size_t count = schema.returns().size();
     TORCH_CHECK_NOT_IMPLEMENTED(

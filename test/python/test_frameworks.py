@@ -1,12 +1,14 @@
 """The layers people drive training through, with rgpu imported and nothing else changed:
-Hugging Face's Trainer and accelerate train on rgpu exactly as on the CPU, and on the CPU when
-asked, without touching the server. Each run is a process of its own, as a user's script is
-(accelerate keeps its device for the life of a process)."""
+Hugging Face's Trainer and accelerate and Lightning train on rgpu exactly as on the CPU, and on
+the CPU when asked, without touching the server; Hugging Face's generate waits once a token.
+Each training run is a process of its own, as a user's script is (accelerate keeps its device
+for the life of a process)."""
 
 import json
 import os
 import textwrap
 
+import pytest
 import torch
 from conftest import run_client
 
@@ -169,3 +171,42 @@ def test_lightning_trains_on_rgpu_by_name_and_by_auto_like_the_cpu(server):
         assert len(seen) == 8
         torch.testing.assert_close([v for v, _, _ in seen], [v for v, _, _ in runs["cpu"]],
                                    rtol=1e-5, atol=1e-6)
+
+
+def _hf_model(family):
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
+                                         n_positions=64, bos_token_id=1, eos_token_id=2)
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, hidden_size=32,
+                                      intermediate_size=64, vocab_size=100,
+                                      max_position_embeddings=64, bos_token_id=1,
+                                      eos_token_id=2)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "top_k"])
+def test_hf_generate_waits_once_a_token_and_gives_the_cpus_tokens(family, sampling):
+    # generate's own checks of the ids it was given ((eos < 0).any(), isin(eos, pad).any(),
+    # (mask == 1).all()) are answered on the client, which computed them as it traced; what
+    # is left is the stopping check of each token.
+    import rgpu
+
+    model = _hf_model(family)
+    prompt = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=20, min_new_tokens=20, pad_token_id=0, do_sample=sampling,
+                  top_k=5)
+    torch.manual_seed(7)
+    expected = model.generate(prompt, **kwargs)
+    model.to("rgpu")
+    torch.manual_seed(7)
+    before = rgpu.stats()["waits"]
+    tokens = model.generate(prompt.to("rgpu"), **kwargs)
+    waits = rgpu.stats()["waits"] - before
+    assert torch.equal(tokens.cpu(), expected)
+    assert waits <= 20, waits  # one per token; the download of the tokens makes 21

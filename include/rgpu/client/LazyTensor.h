@@ -57,6 +57,9 @@ struct TraceNode : llvm::ThreadSafeRefCountedBase<TraceNode> {
   llvm::SmallVector<ir::ScalarValue, 2> scalarValues;
   uint32_t location = 0; ///< Id in the client's location table.
   uint64_t seq = 0;      ///< Trace order; makes the output order of a cut deterministic.
+  /// Its outputs' values, where the client computed them as it traced (KnownValues.h); empty
+  /// or undefined where not.
+  llvm::SmallVector<at::Tensor, 1> known;
 };
 
 class LazyTensorImpl final : public c10::TensorImpl {

@@ -1,0 +1,151 @@
+#include "rgpu/client/KnownValues.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <llvm/ADT/StringMap.h>
+
+namespace rgpu::client {
+
+namespace {
+
+enum class Exact {
+  No,
+  Bytes,         ///< moves or converts bytes only: the same result for any dtype
+  IntegerResult, ///< the same result wherever it is an integer or boolean one
+};
+
+Exact exactness(llvm::StringRef name) {
+  static const llvm::StringMap<Exact> table = [] {
+    llvm::StringMap<Exact> t;
+    for (const char *op :
+         {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "select",
+          "slice", "permute", "t", "transpose", "alias", "view_copy", "unsqueeze_copy",
+          "squeeze_copy", "expand_copy", "select_copy", "slice_copy", "permute_copy", "t_copy",
+          "transpose_copy", "alias_copy", "clone", "lift_fresh", "lift_fresh_copy", "cat",
+          "stack", "flip", "_to_copy", "index_select", "gather"})
+      t[std::string("aten::") + op] = Exact::Bytes;
+    for (const char *op :
+         {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
+          "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "any",
+          "all", "isin", "add", "sub", "mul", "neg", "abs", "where", "maximum", "minimum",
+          "max", "min", "amax", "amin", "sum", "cumsum", "masked_fill", "ones", "zeros",
+          "full", "scalar_tensor", "ones_like", "zeros_like", "full_like", "arange", "fill",
+          "argmax", "argmin", "remainder"})
+      t[std::string("aten::") + op] = Exact::IntegerResult;
+    return t;
+  }();
+  auto it = table.find(name);
+  return it == table.end() ? Exact::No : it->second;
+}
+
+/// The value of rgpu tensor \p t, if known, in \p t's own layout.
+at::Tensor knownOf(const at::Tensor &t) {
+  LazyTensorImpl *impl = lazyImpl(t);
+  if (!impl)
+    return {};
+  const Value &v = impl->value;
+  at::Tensor k;
+  if (v.pending()) {
+    if (v.index < v.node->known.size())
+      k = v.node->known[v.index];
+  } else if (v.data) {
+    k = v.data->value;
+  }
+  // Elements are what an op reads; the strides too, where an op's result depends on them
+  // (a view's), so they must be the tensor's.
+  if (!k.defined() || k.scalar_type() != t.scalar_type() || !k.sizes().equals(t.sizes()) ||
+      !k.strides().equals(t.strides()))
+    return {};
+  return k;
+}
+
+/// \p v with every rgpu tensor replaced by its known value and every device by the CPU; false
+/// if some rgpu tensor's value is not known.
+bool onCpu(const c10::IValue &v, c10::IValue &out) {
+  if (v.isTensor()) {
+    const at::Tensor &t = v.toTensor();
+    if (!t.defined() || !t.device().is_privateuseone()) {
+      out = v;
+      return true;
+    }
+    at::Tensor k = knownOf(t);
+    out = k;
+    return k.defined();
+  }
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> list;
+    for (const at::Tensor &t : v.toTensorList()) {
+      c10::IValue k;
+      if (!onCpu(t, k))
+        return false;
+      list.push_back(k.toTensor());
+    }
+    out = list;
+    return true;
+  }
+  if (v.isDevice()) {
+    out = c10::Device(c10::kCPU);
+    return true;
+  }
+  if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())
+    return false; // Tensor?[] and the like: not taken
+  out = v;
+  return true;
+}
+
+} // namespace
+
+void computeKnown(const c10::OperatorHandle &op, c10::ArrayRef<c10::IValue> args,
+                  TraceNode &node) {
+  const Exact exact = exactness(op.operator_name().name);
+  if (exact == Exact::No)
+    return;
+  for (const ir::TensorMeta &m : node.node.outputs)
+    if (m.dtype == ir::dtype::Undefined || m.numel() > kKnownElements ||
+        (exact == Exact::IntegerResult &&
+         !c10::isIntegralType(static_cast<c10::ScalarType>(m.dtype), /*includeBool=*/true)))
+      return;
+  torch::jit::Stack stack;
+  stack.reserve(args.size());
+  for (const c10::IValue &a : args) {
+    c10::IValue cpu;
+    if (!onCpu(a, cpu))
+      return;
+    stack.push_back(std::move(cpu));
+  }
+  try {
+    // The CPU's kernel, below autograd and functionalization, as the server calls it.
+    c10::impl::ExcludeDispatchKeyGuard noAutograd(c10::autograd_dispatch_keyset);
+    c10::impl::ExcludeDispatchKeyGuard noFunctionalize(c10::DispatchKey::Functionalize);
+    op.callBoxed(stack);
+  } catch (const std::exception &) {
+    return; // the server will say what is wrong
+  }
+  if (stack.size() != node.node.outputs.size())
+    return;
+  llvm::SmallVector<at::Tensor, 1> known;
+  for (size_t i = 0; i < stack.size(); ++i) {
+    if (!stack[i].isTensor())
+      return;
+    at::Tensor t = stack[i].toTensor();
+    const ir::TensorMeta &m = node.node.outputs[i];
+    if (!t.defined() || t.device() != c10::Device(c10::kCPU) ||
+        t.scalar_type() != static_cast<c10::ScalarType>(m.dtype) || !t.sizes().equals(m.sizes))
+      return;
+    if (!t.strides().equals(m.strides)) {
+      // The rgpu tensor keeps a layout of its own (a view's, say): the same elements in it.
+      // A layout that repeats elements cannot be written, and is not taken.
+      at::Tensor laid = at::empty_strided(m.sizes, m.strides, t.options());
+      try {
+        laid.copy_(t);
+      } catch (const std::exception &) {
+        return;
+      }
+      t = laid;
+    }
+    known.push_back(t);
+  }
+  node.known = std::move(known);
+}
+
+} // namespace rgpu::client
