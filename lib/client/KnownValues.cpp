@@ -100,6 +100,12 @@ void computeKnown(const c10::OperatorHandle &op, c10::ArrayRef<c10::IValue> args
   const Exact exact = exactness(op.operator_name().name);
   if (exact == Exact::No)
     return;
+  // A float out of an integer type's range converts to whatever the device's instruction
+  // gives: not the same everywhere.
+  if (op.operator_name().name == "aten::_to_copy" && !args.empty() && args[0].isTensor() &&
+      args[0].toTensor().is_floating_point() && !node.node.outputs.empty() &&
+      c10::isIntegralType(static_cast<c10::ScalarType>(node.node.outputs[0].dtype), true))
+    return;
   for (const ir::TensorMeta &m : node.node.outputs)
     if (m.dtype == ir::dtype::Undefined || m.numel() > kKnownElements ||
         (exact == Exact::IntegerResult &&

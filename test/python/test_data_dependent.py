@@ -118,3 +118,37 @@ def test_a_mask_assignment_that_needs_the_count_waits_once_and_errors_as_cpu_doe
     with pytest.raises(RuntimeError, match="without overflow"):
         r.index_put_((r > 0,), torch.tensor(1j, device=R))
     same(r, x)
+
+
+def test_small_values_built_from_uploaded_data_are_read_without_a_wait_and_exactly():
+    # The client computes integer and boolean results of data it uploaded itself, as it traces
+    # them (KnownValues.h): reading them waits for nothing, and gives what the server computes.
+    ids = torch.tensor([[5, 0, 7, 2], [0, 3, 3, 9]])
+    r = ids.to(R)
+
+    def small(t):
+        return torch.tensor([3, 9], device=t.device)
+
+    cases = [
+        lambda t: (t < 0).any(),
+        lambda t: torch.isin(t, small(t)).all(),
+        lambda t: t[:, -1].sum(),
+        lambda t: (t * 3 + 1).max(),
+        lambda t: t.ne(0).long().cumsum(1),
+        lambda t: torch.cat([t, t.flip(1)]).argmax(dim=1),
+        lambda t: t.t().reshape(-1)[2:5],
+        lambda t: torch.where(t > 2, t, torch.zeros_like(t)),
+        lambda t: t.to(torch.int16).to(torch.float64),
+        lambda t: torch.ones(2, 4, dtype=torch.long, device=t.device).sum() + t.numel(),
+        lambda t: t.masked_fill(t == 3, -1),
+    ]
+    for f in cases:
+        expected = f(ids)
+        got = []
+        assert _waits(lambda: got.append(f(r).cpu())) == 0, f
+        assert torch.equal(got[0], expected) and got[0].dtype == expected.dtype
+    # Float arithmetic is the server's to compute (a fused kernel may round otherwise).
+    x = torch.tensor([0.1, 0.2, 0.3])
+    rx = x.to(R)
+    assert _waits(lambda: (rx * 3).sum().item()) == 1
+    assert _waits(lambda: rx.to(torch.int32).cpu()) == 1  # a float's cast to an integer too
