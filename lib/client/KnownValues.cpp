@@ -22,14 +22,15 @@ Exact exactness(llvm::StringRef name) {
           "slice", "permute", "t", "transpose", "alias", "view_copy", "unsqueeze_copy",
           "squeeze_copy", "expand_copy", "select_copy", "slice_copy", "permute_copy", "t_copy",
           "transpose_copy", "alias_copy", "clone", "lift_fresh", "lift_fresh_copy", "cat",
-          "stack", "flip", "_to_copy", "index_select", "gather"})
+          "stack", "flip", "_to_copy", "index_select", "gather", "index", "constant_pad_nd"})
       t[std::string("aten::") + op] = Exact::Bytes;
     for (const char *op :
          {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
           "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "any",
           "all", "isin", "add", "sub", "mul", "neg", "abs", "where", "maximum", "minimum",
           "max", "min", "amax", "amin", "sum", "cumsum", "masked_fill", "ones", "zeros",
-          "full", "scalar_tensor", "ones_like", "zeros_like", "full_like", "arange", "fill",
+          "full", "scalar_tensor", "ones_like", "zeros_like", "full_like", "new_ones",
+          "new_zeros", "new_full", "arange", "fill",
           "argmax", "argmin", "remainder"})
       t[std::string("aten::") + op] = Exact::IntegerResult;
     return t;
@@ -87,8 +88,22 @@ bool onCpu(const c10::IValue &v, c10::IValue &out) {
     out = c10::Device(c10::kCPU);
     return true;
   }
-  if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())
-    return false; // Tensor?[] and the like: not taken
+  if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
+    // Tensor?[] (indexing's indices)
+    c10::List<std::optional<at::Tensor>> list;
+    for (const c10::IValue &item : v.toListRef()) {
+      if (item.isNone()) {
+        list.push_back(std::nullopt);
+        continue;
+      }
+      c10::IValue k;
+      if (!item.isTensor() || !onCpu(item, k) || !k.isTensor())
+        return false;
+      list.push_back(k.toTensor());
+    }
+    out = list;
+    return true;
+  }
   out = v;
   return true;
 }

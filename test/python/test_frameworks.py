@@ -198,15 +198,18 @@ def test_hf_generate_waits_once_a_token_and_gives_the_cpus_tokens(family, sampli
     import rgpu
 
     model = _hf_model(family)
+    # A batch of two prompts, the second left-padded, with its attention mask.
     prompt = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+    prompt[1, :2] = 0
+    mask = (prompt != 0).long()
     kwargs = dict(max_new_tokens=20, min_new_tokens=20, pad_token_id=0, do_sample=sampling,
                   top_k=5)
     torch.manual_seed(7)
-    expected = model.generate(prompt, **kwargs)
+    expected = model.generate(prompt, attention_mask=mask, **kwargs)
     model.to("rgpu")
     torch.manual_seed(7)
     before = rgpu.stats()["waits"]
-    tokens = model.generate(prompt.to("rgpu"), **kwargs)
+    tokens = model.generate(prompt.to("rgpu"), attention_mask=mask.to("rgpu"), **kwargs)
     waits = rgpu.stats()["waits"] - before
     assert torch.equal(tokens.cpu(), expected)
     assert waits <= 20, waits  # one per token; the download of the tokens makes 21
