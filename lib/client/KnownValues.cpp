@@ -110,6 +110,8 @@ bool onCpu(const c10::IValue &v, c10::IValue &out) {
 
 } // namespace
 
+bool knowable(llvm::StringRef name) { return exactness(name) != Exact::No; }
+
 void computeKnown(const c10::OperatorHandle &op, c10::ArrayRef<c10::IValue> args,
                   TraceNode &node) {
   const Exact exact = exactness(op.operator_name().name);

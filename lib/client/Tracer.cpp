@@ -231,6 +231,8 @@ struct OpInfo {
   bool anyView;
   /// Draws random numbers (see ir::Node::random).
   bool random;
+  /// Its results may be computed here (KnownValues.h).
+  bool knowable;
   std::vector<ArgInfo> args;
 
   explicit OpInfo(const c10::OperatorHandle &op);
@@ -250,6 +252,7 @@ OpInfo::OpInfo(const c10::OperatorHandle &op) : name(op.operator_name()) {
   viewOp = !returns.empty() && returns[0].alias_info() && !returns[0].alias_info()->isWrite();
   anyView = viewOp || bridge::viewOf(name).has_value();
   random = bridge::drawsRandom(op);
+  knowable = client::knowable(n);
   for (const c10::Argument &a : op.schema().arguments()) {
     c10::TypePtr type = a.type();
     ArgInfo info{};
@@ -1104,7 +1107,8 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
                          : makeLazy(Value{node, i, nullptr}, node->node.outputs[i], device,
                                     metas.bits[i]));
     listSizes = metas.listSizes;
-    computeKnown(op, torch::jit::last(*stack, nargs), *node);
+    if (info.knowable)
+      computeKnown(op, torch::jit::last(*stack, nargs), *node);
   } else {
     size_t count = schema.returns().size();
     TORCH_CHECK_NOT_IMPLEMENTED(

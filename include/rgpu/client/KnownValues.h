@@ -19,11 +19,15 @@
 #include "rgpu/client/LazyTensor.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <llvm/ADT/StringRef.h>
 
 namespace rgpu::client {
 
 /// The most elements a known value has.
 constexpr int64_t kKnownElements = 4096;
+
+/// Whether computeKnown may compute an op of this name (aten::eq, ...).
+bool knowable(llvm::StringRef name);
 
 /// Computes \p node's outputs here when its op and operands allow (see above), into
 /// TraceNode::known; \p args are the op's arguments as traced (rgpu tensors).
