@@ -621,6 +621,8 @@ void Client::connect() {
 }
 
 template <typename Fill> Client::Reply Client::request(Fill fill, int replyTimeoutMs) {
+  if (replyTimeoutMs < 0) // the store answers all but waits at once
+    replyTimeoutMs = int(std::min<int64_t>(timeout_.count(), 60000)) + Service::kHandshakeMs;
   if (socket_) {
     // The store closes a connection idle for kIdleMs: that shows as an end here, never as a
     // frame (a reply to nothing).
@@ -658,8 +660,9 @@ template <typename Fill> Client::Reply Client::request(Fill fill, int replyTimeo
 }
 
 namespace {
-int replyMs(std::chrono::milliseconds timeout) {
-  return int(std::min<int64_t>(timeout.count(), 60000)) + Service::kHandshakeMs;
+void setEntry(wire::StoreEntry::Builder e, const std::string &key, const std::string &value) {
+  e.setKey(asData(key));
+  e.setValue(asData(value));
 }
 
 void setKeys(capnp::List<capnp::Data>::Builder list, const std::vector<std::string> &keys) {
@@ -669,18 +672,11 @@ void setKeys(capnp::List<capnp::Data>::Builder list, const std::vector<std::stri
 } // namespace
 
 void Client::set(const std::string &key, const std::string &value) {
-  request(
-      [&](wire::StoreRequest::Builder r) {
-        auto e = r.initSet();
-        e.setKey(asData(key));
-        e.setValue(asData(value));
-      },
-      replyMs(timeout_));
+  request([&](wire::StoreRequest::Builder r) { setEntry(r.initSet(), key, value); });
 }
 
 std::optional<std::string> Client::get(const std::string &key) {
-  Reply reply = request([&](wire::StoreRequest::Builder r) { r.setGet(asData(key)); },
-                        replyMs(timeout_));
+  Reply reply = request([&](wire::StoreRequest::Builder r) { r.setGet(asData(key)); });
   if (!reply.get().isValue())
     return std::nullopt;
   return text(reply.get().getValue());
@@ -692,8 +688,7 @@ int64_t Client::add(const std::string &key, int64_t delta) {
         auto a = r.initAdd();
         a.setKey(asData(key));
         a.setDelta(delta);
-      },
-      replyMs(timeout_));
+      });
   if (!reply.get().isNumber())
     fail("a reply to add that is not a number");
   return reply.get().getNumber();
@@ -701,8 +696,7 @@ int64_t Client::add(const std::string &key, int64_t delta) {
 
 bool Client::check(const std::vector<std::string> &keys) {
   Reply reply = request(
-      [&](wire::StoreRequest::Builder r) { setKeys(r.initCheck(unsigned(keys.size())), keys); },
-      replyMs(timeout_));
+      [&](wire::StoreRequest::Builder r) { setKeys(r.initCheck(unsigned(keys.size())), keys); });
   return reply.get().isFlag() && reply.get().getFlag();
 }
 
@@ -730,14 +724,12 @@ bool Client::wait(const std::vector<std::string> &keys, std::chrono::millisecond
 }
 
 bool Client::deleteKey(const std::string &key) {
-  Reply reply = request([&](wire::StoreRequest::Builder r) { r.setDeleteKey(asData(key)); },
-                        replyMs(timeout_));
+  Reply reply = request([&](wire::StoreRequest::Builder r) { r.setDeleteKey(asData(key)); });
   return reply.get().isFlag() && reply.get().getFlag();
 }
 
 int64_t Client::numKeys() {
-  Reply reply =
-      request([&](wire::StoreRequest::Builder r) { r.setNumKeys(); }, replyMs(timeout_));
+  Reply reply = request([&](wire::StoreRequest::Builder r) { r.setNumKeys(); });
   if (!reply.get().isNumber())
     fail("a reply to numKeys that is not a number");
   return reply.get().getNumber();
@@ -751,21 +743,14 @@ std::string Client::compareSet(const std::string &key, const std::string &expect
         c.setKey(asData(key));
         c.setExpected(asData(expected));
         c.setDesired(asData(desired));
-      },
-      replyMs(timeout_));
+      });
   if (!reply.get().isValue())
     fail("a reply to compareSet that is not a value");
   return text(reply.get().getValue());
 }
 
 void Client::append(const std::string &key, const std::string &value) {
-  request(
-      [&](wire::StoreRequest::Builder r) {
-        auto e = r.initAppend();
-        e.setKey(asData(key));
-        e.setValue(asData(value));
-      },
-      replyMs(timeout_));
+  request([&](wire::StoreRequest::Builder r) { setEntry(r.initAppend(), key, value); });
 }
 
 //===----------------------------------------------------------------------===//

@@ -145,7 +145,9 @@ public:
 
 private:
   struct Reply;
-  template <typename Fill> Reply request(Fill fill, int replyTimeoutMs);
+  /// One request and its reply, waited for \p replyTimeoutMs (negative: the store's own
+  /// time to answer).
+  template <typename Fill> Reply request(Fill fill, int replyTimeoutMs = -1);
   void connect();
   [[noreturn]] void fail(const std::string &why);
   std::string host_, secret_;

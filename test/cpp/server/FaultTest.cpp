@@ -337,6 +337,32 @@ size_t dataBytesOf(const net::Frame &reply) {
   return n;
 }
 
+/// Connects to \p addr \p count times, sending 8 bytes and closing each time; returns how many
+/// connects were refused (the listen backlog full for a moment). TCP connections close with a
+/// reset: so many closes would otherwise leave as many of this machine's ports in TIME_WAIT,
+/// slowing every connect.
+int connectSendClose(const sockaddr *addr, socklen_t len, int count = 20000) {
+  const char eight[8] = {'R', 'G', 'P', 'U', 0, 0, 0, 0};
+  int refused = 0;
+  for (int k = 0; k < count; ++k) {
+    int fd = ::socket(addr->sa_family, SOCK_STREAM, 0);
+    if (fd < 0) {
+      ADD_FAILURE() << "socket: " << std::strerror(errno);
+      return count;
+    }
+    if (::connect(fd, addr, len) == 0)
+      (void)!::send(fd, eight, sizeof eight, MSG_NOSIGNAL);
+    else
+      ++refused;
+    if (addr->sa_family != AF_UNIX) {
+      linger reset{1, 0};
+      setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+    }
+    ::close(fd);
+  }
+  return refused;
+}
+
 } // namespace
 
 TEST(Faults, GarbageBytesCloseOnlyThatConnection) {
@@ -824,17 +850,7 @@ TEST(Faults, TwentyThousandConnectionsThatSayAlmostNothingLeaveTheServerServing)
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::strncpy(addr.sun_path, opserver().socket.c_str(), sizeof addr.sun_path - 1);
-  const char eight[8] = {'R', 'G', 'P', 'U', 0, 0, 0, 0};
-  int refused = 0;
-  for (int k = 0; k < 20000; ++k) {
-    int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
-    ASSERT_GE(fd, 0);
-    if (::connect(fd, reinterpret_cast<sockaddr *>(&addr), sizeof addr) == 0)
-      (void)!::send(fd, eight, sizeof eight, MSG_NOSIGNAL);
-    else
-      ++refused; // the listen backlog was full for a moment
-    ::close(fd);
-  }
+  const int refused = connectSendClose(reinterpret_cast<sockaddr *>(&addr), sizeof addr);
   EXPECT_LT(refused, 20000);
   ASSERT_TRUE(opserver().alive());
   EXPECT_TRUE(beside.finish());
@@ -1577,21 +1593,7 @@ TEST(Faults, TheRendezvousStoreServesOnlyTheJobsSecretAndChargesItsSession) {
   addr.sin_family = AF_INET;
   addr.sin_port = htons(uint16_t(port));
   inet_pton(AF_INET, storeHost.c_str(), &addr.sin_addr);
-  const char eight[8] = {'R', 'G', 'P', 'U', 0, 0, 0, 0};
-  int refused = 0;
-  for (int k = 0; k < 20000; ++k) {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    ASSERT_GE(fd, 0);
-    if (::connect(fd, reinterpret_cast<sockaddr *>(&addr), sizeof addr) == 0)
-      (void)!::send(fd, eight, sizeof eight, MSG_NOSIGNAL);
-    else
-      ++refused;
-    // Closed with a reset: 20,000 closes would otherwise leave as many of this machine's ports
-    // in TIME_WAIT, slowing every connect.
-    linger reset{1, 0};
-    setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
-    ::close(fd);
-  }
+  const int refused = connectSendClose(reinterpret_cast<sockaddr *>(&addr), sizeof addr);
   EXPECT_LT(refused, 2000) << "the store's listen backlog refused most connections";
   ASSERT_TRUE(opserver().alive());
   EXPECT_TRUE(beside.finish());
