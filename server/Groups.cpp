@@ -9,6 +9,7 @@
 
 #include <llvm/ADT/StringRef.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -102,25 +103,19 @@ std::string Groups::hostStore(const std::string &host, std::function<bool(int64_
 #ifdef RGPU_WITH_GLOO
 namespace {
 /// Gloo's listeners. Gloo keeps one open for as long as its group lives and keeps every
-/// connection anyone makes to it; a process out of descriptors then ends in Gloo's accept. So
-/// each listener is closed to the network (a socket filter that drops every packet: no new
-/// connection is ever made to it, while the group's own connections go on) as soon as its
-/// group is set up, and while joins wait, if the server runs low on descriptors, at once.
+/// connection anyone makes to it, and a failed accept (a process out of descriptors) ends the
+/// process. So each listener is closed to the network (a socket filter that drops every packet:
+/// no new connection is ever made to it, while the group's own connections go on) as soon as
+/// its group is set up; while its join waits, Gloo's accepts on it go through acceptConnection,
+/// which closes it when descriptors run low.
 struct GlooListeners {
   std::mutex mu;
-  std::condition_variable joining; ///< a listener joined `waiting`
-  std::set<int> waiting; ///< of joins in progress (their devices live while they are here)
-  bool low = false;      ///< descriptors ran low: new ones are closed as they are found
+  std::set<int> closed;  ///< listeners `accept` closed to the network
+  int reserve = -1;      ///< given up to take a connection off a listener when none is left
 };
 
-void guardDescriptors();
-
 GlooListeners &glooListeners() {
-  static GlooListeners *l = [] {
-    auto *l = new GlooListeners; // used from detached join threads
-    std::thread(guardDescriptors).detach();
-    return l;
-  }();
+  static auto *l = new GlooListeners; // used from detached join threads
   return *l;
 }
 
@@ -172,44 +167,6 @@ void dropEverything(int fd) {
                  std::strerror(errno));
 }
 
-/// Every kGuardMs while joins wait: if the process runs low on descriptors (an eighth of its
-/// limit left), their Gloo listeners take no new connections, so that Gloo never fails to
-/// accept (which ends the process). Descriptors are taken lowest first, so the lowest free
-/// one says how many are open, at the cost of a dup.
-constexpr int kGuardMs = 5;
-
-void guardDescriptors() {
-  GlooListeners &l = glooListeners();
-  for (;;) {
-    std::unique_lock<std::mutex> lock(l.mu);
-    l.joining.wait(lock, [&] { return !l.waiting.empty(); });
-    lock.unlock();
-    std::this_thread::sleep_for(std::chrono::milliseconds(kGuardMs));
-    lock.lock();
-    rlimit files{};
-    if (l.waiting.empty() || getrlimit(RLIMIT_NOFILE, &files) != 0 ||
-        files.rlim_cur == RLIM_INFINITY) {
-      l.low = false;
-      continue;
-    }
-    const int lowestFree = fcntl(*l.waiting.begin(), F_DUPFD_CLOEXEC, 0);
-    if (lowestFree >= 0)
-      ::close(lowestFree);
-    const uint64_t open = lowestFree >= 0 ? uint64_t(lowestFree) : files.rlim_cur;
-    const bool low = open + std::max<uint64_t>(files.rlim_cur / 8, 64) > files.rlim_cur;
-    if (low && !l.low) {
-      std::fprintf(stderr,
-                   "rgpu-opserver: %llu of %llu descriptors are open: the Gloo listeners of "
-                   "joins in progress take no new connections\n",
-                   static_cast<unsigned long long>(open),
-                   static_cast<unsigned long long>(files.rlim_cur));
-      for (int fd : l.waiting)
-        dropEverything(fd);
-    }
-    l.low = low;
-  }
-}
-
 /// The job's store as c10d (Gloo) sees it: a rendezvous::Client, whose waits give up within
 /// Client::kCancelPollMs of their join being cancelled (the client left), not at the join's timeout.
 class RendezvousStore : public c10d::Store {
@@ -227,16 +184,9 @@ public:
     std::string record = bytes(value);
     // Gloo publishes its listener's address first thing: the listener is found by it.
     if (size_t at = rendezvous::glooAddressAt(record); at != std::string::npos) {
-      if (int fd = findListener(record.data() + at); fd >= 0) {
-        GlooListeners &l = glooListeners();
-        std::lock_guard<std::mutex> lock(l.mu);
-        if (l.waiting.insert(fd).second) {
-          listeners_.push_back(fd);
-          l.joining.notify_one();
-          if (l.low)
-            dropEverything(fd);
-        }
-      }
+      int fd = findListener(record.data() + at);
+      if (fd >= 0 && std::find(listeners_.begin(), listeners_.end(), fd) == listeners_.end())
+        listeners_.push_back(fd);
     }
     client_->set(key, rendezvous::zeroAddressPadding(std::move(record)));
   }
@@ -292,7 +242,7 @@ public:
     for (int fd : listeners_) {
       if (groupUp)
         dropEverything(fd);
-      l.waiting.erase(fd);
+      l.closed.erase(fd);
     }
     listeners_.clear();
   }
@@ -454,4 +404,46 @@ std::string Groups::check(const ir::Graph &graph) const {
   return "";
 }
 
+int Groups::acceptConnection(int fd, sockaddr *address, socklen_t *length, AcceptFn real) {
+  int taken = real(fd, address, length);
+#ifdef RGPU_WITH_GLOO
+  // Descriptors are taken lowest first, so the one a connection gets says how many are open.
+  const int failure = taken < 0 ? errno : 0;
+  if (taken < 0 && failure != EMFILE && failure != ENFILE)
+    return taken;
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) != 0 || files.rlim_cur == RLIM_INFINITY)
+    files.rlim_cur = 1 << 20;
+  const uint64_t limit = files.rlim_cur;
+  if (taken >= 0 && uint64_t(taken) + std::max<uint64_t>(limit / 8, 64) <= limit)
+    return taken;
+  GlooListeners &l = glooListeners();
+  std::lock_guard<std::mutex> lock(l.mu);
+  const uint64_t open = taken >= 0 ? uint64_t(taken) : limit;
+  if (taken < 0) {
+    // Not one descriptor left: the one kept for this takes the connection off the listener.
+    if (l.reserve >= 0)
+      ::close(l.reserve);
+    l.reserve = -1;
+    taken = real(fd, nullptr, nullptr);
+  }
+  if (taken >= 0)
+    ::close(taken);
+  if (l.reserve < 0)
+    l.reserve = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (l.closed.insert(fd).second) {
+    std::fprintf(stderr,
+                 "rgpu-opserver: %llu of %llu descriptors are open: a Gloo listener of a join "
+                 "in progress takes no new connections\n",
+                 static_cast<unsigned long long>(open), static_cast<unsigned long long>(limit));
+    dropEverything(fd);
+  }
+  errno = EAGAIN;
+  return -1;
+#else
+  return taken;
+#endif
+}
+
 } // namespace rgpu::server
+

@@ -9,6 +9,8 @@
 #include <optional>
 #include <string>
 
+#include <sys/socket.h>
+
 namespace rgpu::server {
 
 /// torch.distributed process groups among the servers of a job, as one session sees them: a
@@ -50,6 +52,14 @@ public:
   static constexpr int kMaxStores = 64;
   static constexpr int kMaxRanks = 4096;
   static constexpr size_t kMaxPrefix = 256;
+
+  /// accept(2) for Gloo, which takes its connections with it and ends the process when one
+  /// fails: the server's `accept` (main.cpp) is this, \p real being libc's. A listener whose
+  /// connection would leave the process fewer than an eighth of its descriptors (at least 64)
+  /// is closed to the network and the connection closed at once, and Gloo is answered EAGAIN
+  /// (it waits for the next connection, which never comes).
+  using AcceptFn = int (*)(int, sockaddr *, socklen_t *);
+  static int acceptConnection(int fd, sockaddr *address, socklen_t *length, AcceptFn real);
 
 private:
   struct State;

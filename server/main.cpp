@@ -9,6 +9,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "Device.h"
+#include "Groups.h"
 #include "Policy.h"
 #include "Session.h"
 
@@ -18,6 +19,7 @@
 
 #include "rgpu/net/Auth.h"
 
+#include <dlfcn.h>
 #include <malloc.h>
 #include <sched.h>
 #include <sys/resource.h>
@@ -1090,6 +1092,16 @@ int fail(const std::string &message) {
 }
 
 } // namespace
+
+/// This process's accept(2): Gloo's listeners take their connections with it (libuv takes the
+/// server's own with accept4), and Groups keeps them from running the process out of
+/// descriptors, which would end it.
+extern "C" __attribute__((visibility("default"))) int accept(int fd, sockaddr *address,
+                                                        socklen_t *length) {
+  static const auto real =
+      reinterpret_cast<rgpu::server::Groups::AcceptFn>(dlsym(RTLD_NEXT, "accept"));
+  return rgpu::server::Groups::acceptConnection(fd, address, length, real);
+}
 
 int main(int argc, char **argv) {
   std::string device, bind, compiler, socketPath, tokenPath, tokensDir;

@@ -546,7 +546,7 @@ def test_a_flood_of_connections_to_a_waiting_gloo_listener_leaves_the_server_ser
         assert refused >= 5, "the listener never stopped taking connections"
         time.sleep(0.5)
         assert server.alive(), "".join(server.log[-20:])
-        assert any("take no new connections" in line for line in server.log), server.log[-20:]
+        assert any("takes no new connections" in line for line in server.log), server.log[-20:]
         r = run_client(server.address, "import torch, rgpu\n"
                                        "print((torch.arange(4., device='rgpu') * 2).tolist())\n")
         assert r.returncode == 0 and r.stdout.strip() == "[0.0, 2.0, 4.0, 6.0]", r.stderr
