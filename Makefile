@@ -31,12 +31,14 @@ $(VENV)/.stamp:
 	$(PY) -m pip install -q "$(TORCH_PIN)" numpy pytest expecttest cmake ninja setuptools safetensors transformers==5.24.0
 	touch $@
 
-# The training frameworks test_frameworks.py drives (a venv made before them gets them too).
-$(VENV)/.frameworks: | $(VENV)/.stamp
-	$(PY) -m pip install -q "$(TORCH_PIN)" accelerate==1.16.0 lightning==2.6.6
+# The training frameworks test_frameworks.py drives and the notebook kernel test_interrupt.py
+# drives (a venv made before them gets them too).
+$(VENV)/.test-packages: | $(VENV)/.stamp
+	$(PY) -m pip install -q "$(TORCH_PIN)" accelerate==1.16.0 lightning==2.6.6 ipykernel==7.4.0 \
+	  jupyter_client==8.10.0
 	touch $@
 
-venv: $(VENV)/.stamp $(VENV)/.frameworks
+venv: $(VENV)/.stamp $(VENV)/.test-packages
 
 $(BUILD)/build.ninja: CMakeLists.txt | $(VENV)/.stamp
 	$(VENV)/bin/cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \

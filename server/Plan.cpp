@@ -637,6 +637,12 @@ ErrorPtr Plan::run(const std::vector<Entry> &inputs, llvm::ArrayRef<ir::ScalarVa
     const std::vector<c10::IValue> &consts =
         shapes && !shapes->consts[s].empty() ? shapes->consts[s] : step.consts;
     const ir::Node &node = graph_.nodes[step.node];
+    if (ctx.cancelled && ctx.cancelled()) {
+      outputs.clear();
+      return std::make_shared<RemoteError>(RemoteError{
+          node.op.str().str(), "cancelled (Ctrl-C or rgpu.cancel()) before this op ran",
+          graph_.locations[node.loc], hash, step.node, RemoteError::kCancelled});
+    }
     ErrorPtr upstream;
     for (uint32_t v : node.operands)
       if (values[v].error) {

@@ -22,6 +22,8 @@
 #include <ATen/core/Generator.h>
 
 #include <deque>
+#include <llvm/ADT/STLFunctionalExtras.h>
+
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -35,6 +37,9 @@ struct RemoteError {
   ir::Hash256 graph;
   uint32_t node = 0;
   std::string pythonType; ///< wire::Error.pythonType: pythonTypeOf() the exception
+  /// The pythonType of a value whose run a Cancel stopped (rgpu.Cancelled).
+  static constexpr const char *kCancelled = "Cancelled";
+  bool cancelled() const { return pythonType == kCancelled; }
 };
 
 /// The Python exception class torch raises for \p e ("IndexError" for a c10::IndexError, ...),
@@ -56,6 +61,9 @@ struct RunContext {
   /// The session's torch.Generator(device="rgpu") objects, by id, for explicit generator=
   /// arguments (a scalar slot of form Generator holds the id); null: none.
   const std::unordered_map<uint64_t, at::Generator> *explicitGenerators = nullptr;
+  /// Asked before each kernel: true stops the run there (a Cancel arrived), and run() answers
+  /// a Cancelled error (RemoteError::kCancelled) naming the op it did not run, with no outputs.
+  llvm::function_ref<bool()> cancelled;
 };
 
 /// The sizes of one run of a symbolic plan (Plan::resolve): every value's layout, and the

@@ -283,9 +283,8 @@ struct Session::Partial {
   ErrorPtr error; ///< Its buffer could not be allocated.
 };
 
-Session::Session(Context &ctx, std::string peer, Admission admission,
-                 const std::atomic<bool> *cancelled)
-    : ctx_(ctx), peer_(std::move(peer)), admission_(std::move(admission)), cancelled_(cancelled) {
+Session::Session(Context &ctx, std::string peer, Admission admission, const Signals *signals)
+    : ctx_(ctx), peer_(std::move(peer)), admission_(std::move(admission)), signals_(signals) {
   const std::vector<at::Device> &devices = ctx_.devices();
   for (size_t i = 0; i < devices.size(); ++i) {
     auto same = std::find(devices.begin(), devices.begin() + i, devices[i]);
@@ -402,6 +401,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
     seq = cf.getSeq();
     wantReply = cf.getWantReply();
     outcome.seq = seq;
+    serving_ = seq;
     if (greeted_ && seq != 0 && seq <= lastSeq_) {
       // Sent again after a resume, and executed before: never run twice.
       for (const auto &[kept, bytes] : replies_)
@@ -424,7 +424,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
       const size_t at = index++;
       // A connection that ended has its remaining commands dropped, unless the session waits
       // for a resume: then the frame is run whole, so that a replay never runs half of it.
-      if (!fatal.empty() || adopted_ || (cancelled_ && cancelled_->load() && !resumable()))
+      if (!fatal.empty() || adopted_ || (signals_ && signals_->closed.load() && !resumable()))
         break;
       if (!greeted_ && cmd.which() != wire::Command::HELLO) {
         fatal = "the first command of a session must be Hello";
@@ -664,6 +664,7 @@ FrameOutcome Session::serve(const net::Frame &frame) {
             std::to_string(j.getRank()) + " of " + std::to_string(j.getSize()));
         break;
       }
+      case wire::Command::CANCEL: break; // the I/O loop acted on it as it arrived
       case wire::Command::SYNC:
         for (const at::Device &d : ctx_.devices())
           if (d.is_cuda())
@@ -866,7 +867,7 @@ void Session::endWait() {
 }
 
 void Session::detach() {
-  cancelled_ = nullptr;
+  signals_ = nullptr;
   // A join ends when its client leaves; a client that resumes sends its JoinGroup again.
   if (joining_) {
     Groups::cancel(*joining_);
@@ -878,12 +879,12 @@ void Session::detach() {
   counted_ = false;
 }
 
-void Session::attach(std::string peer, const std::atomic<bool> *cancelled) {
+void Session::attach(std::string peer, const Signals *signals) {
   ++ctx_.greetedSessions; // a resume is let in even at the limit: the session exists already
   counted_ = true;
   log(peer + ": resumed the session of " + peer_ + " after its frame " + std::to_string(lastSeq_));
   peer_ = std::move(peer);
-  cancelled_ = cancelled;
+  signals_ = signals;
   ++ctx_.resumes;
 }
 
@@ -898,6 +899,7 @@ void Session::stats(wire::ServerStats::Builder out) {
   out.setCompiledRuns(ctx_.compiledRuns);
   out.setSessionCompiledRuns(compiledRuns_);
   out.setSessionWritesInPlace(writesInPlace_);
+  out.setSessionRunsCancelled(runsCancelled_);
   out.setConnections(ctx_.connectionsOpen);
   out.setConnectionsRefused(ctx_.connectionsRefused);
   out.setSessionMemory(account_->held);
@@ -1071,7 +1073,8 @@ void Session::forget(capnp::List<wire::Hash>::Reader hashes) {
 
 std::string Session::runArgs(wire::Run::Reader r, const ir::Hash256 &hash, const ir::Graph &g,
                              std::vector<uint64_t> &inputs,
-                             llvm::SmallVectorImpl<ir::ScalarValue> &scalars) {
+                             llvm::SmallVectorImpl<ir::ScalarValue> &scalars,
+                             std::vector<uint32_t> &restores) {
   auto table = r.getScalars();
   // The previous run is forgotten whatever goes wrong here: a later relative Run then fails
   // too, loudly, instead of running on handles the two sides no longer agree on.
@@ -1115,7 +1118,20 @@ std::string Session::runArgs(wire::Run::Reader r, const ir::Hash256 &hash, const
       scalars[slots[k]] = wire::decodeScalar(table[values[k]]);
     }
   }
-  lastRuns_[hash] = LastRun{inputs, {scalars.begin(), scalars.end()}};
+  if (r.hasRestores() || !r.getRelative()) {
+    auto rs = r.getRestores();
+    if (rs.size() % 2 != 0 || rs.size() / 2 > g.outputs.size())
+      return "restores that are not (output, input) pairs, or more of them than outputs";
+    restores.clear();
+    for (uint32_t v : rs)
+      restores.push_back(v);
+  } else {
+    restores = std::move(previous->restores);
+  }
+  for (size_t k = 0; k < restores.size(); k += 2)
+    if (restores[k] >= g.outputs.size() || restores[k + 1] >= g.inputs.size())
+      return "a restore out of range";
+  lastRuns_[hash] = LastRun{inputs, {scalars.begin(), scalars.end()}, restores};
   return "";
 }
 
@@ -1145,7 +1161,8 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
   const ir::Graph &g = plan->graph();
   std::vector<uint64_t> handles;
   llvm::SmallVector<ir::ScalarValue, 8> scalars;
-  std::string argError = runArgs(r, hash, g, handles, scalars);
+  std::vector<uint32_t> restores;
+  std::string argError = runArgs(r, hash, g, handles, scalars, restores);
   if (argError.empty() && r.getNumOutputs() != g.outputs.size())
     argError = "the wrong number of outputs";
   if (!argError.empty()) {
@@ -1195,6 +1212,14 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     if (!in.error)
       in.tensor = restride(in.tensor, m);
     inputs.push_back(std::move(in));
+  }
+  if (cancelling()) {
+    cancelRun(first, handles, g.outputs.size(), restores,
+              std::make_shared<RemoteError>(RemoteError{
+                  "", "cancelled (Ctrl-C or rgpu.cancel()) before this graph ran",
+                  g.nodes.empty() ? "" : g.locations[g.nodes.back().loc], hash,
+                  uint32_t(g.nodes.empty() ? 0 : g.nodes.size() - 1), RemoteError::kCancelled}));
+    return;
   }
   std::vector<Entry> outputs;
   ++ctx_.graphRuns;
@@ -1247,11 +1272,18 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
           (ce ? ce->what_without_backtrace() : e.what()) + "); running it on the plan executor");
     }
   }
-  if (!ran)
-    if (ErrorPtr e = plan->run(inputs, scalars,
-                               {ctx_.devices(), generators_, &explicitGenerators_}, outputs,
-                               !r.getReplyMetas(), sized))
+  if (!ran) {
+    ErrorPtr e = plan->run(inputs, scalars,
+                           {ctx_.devices(), generators_, &explicitGenerators_,
+                            [this] { return cancelling(); }},
+                           outputs, !r.getReplyMetas(), sized);
+    if (e && e->cancelled()) {
+      cancelRun(first, handles, g.outputs.size(), restores, e);
+      return;
+    }
+    if (e)
       fail(e);
+  }
   uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                     std::chrono::steady_clock::now() - start).count();
   ++use.runs;
@@ -1267,6 +1299,18 @@ void Session::run(wire::Run::Reader r, std::vector<std::vector<ir::TensorMeta>> 
     }
     bind(first + k, std::move(outputs[k]));
   }
+}
+
+void Session::cancelRun(uint64_t first, llvm::ArrayRef<uint64_t> inputs, size_t outputs,
+                        llvm::ArrayRef<uint32_t> restores, ErrorPtr why) {
+  // runArgs checked the pairs against the graph, run() that every input is bound.
+  std::vector<Entry> bound(outputs, Entry{at::Tensor(), why});
+  for (size_t k = 0; k + 1 < restores.size(); k += 2)
+    if (auto it = tensors_.find(inputs[restores[k + 1]]); it != tensors_.end())
+      bound[restores[k]] = it->second;
+  for (size_t k = 0; k < outputs; ++k)
+    bind(first + k, std::move(bound[k]));
+  ++runsCancelled_;
 }
 
 void Session::upload(wire::Upload::Reader r) {

@@ -198,12 +198,19 @@ struct Admission {
   std::shared_ptr<const std::vector<Principal>> principals;
 };
 
+/// What the I/O loop tells the pool thread serving a connection's session, as it happens.
+struct Signals {
+  /// The connection ended: the commands of a frame still being served are dropped, not run.
+  std::atomic<bool> closed{false};
+  /// A Cancel arrived in frame cancelThrough + 1: the runs of frames up to cancelThrough stop
+  /// (at the plan's next kernel) or are skipped.
+  std::atomic<uint64_t> cancelThrough{0};
+};
+
 class Session {
 public:
-  /// \p cancelled, if given, is set by the I/O loop when the connection ends: the commands of a
-  /// frame still being served are then dropped, not run.
   Session(Context &ctx, std::string peer, Admission admission = {},
-          const std::atomic<bool> *cancelled = nullptr);
+          const Signals *signals = nullptr);
   ~Session();
 
   /// Executes every command of \p frame in order. This is the session's one error boundary:
@@ -224,7 +231,7 @@ public:
   /// ends.
   void detach();
   /// Resumed on a new connection.
-  void attach(std::string peer, const std::atomic<bool> *cancelled);
+  void attach(std::string peer, const Signals *signals);
   /// Keeps the reply to frame \p seq until the client says it has it (ClientFrame.received):
   /// a client that lost it in a drop gets it again when it resumes. At most kKeptReplies
   /// replies and kKeptReplyBytes besides the newest are kept; a client that lost an older one
@@ -265,7 +272,18 @@ private:
   std::string peer_;
   Admission admission_;
   std::string principal_ = "uid";
-  const std::atomic<bool> *cancelled_;
+  const Signals *signals_;
+  uint64_t serving_ = 0; ///< The frame being served.
+  /// A Cancel covers the frame being served: its runs bind none of their outputs (see
+  /// cancelRun).
+  bool cancelling() const {
+    return signals_ && serving_ && serving_ <= signals_->cancelThrough.load();
+  }
+  /// Binds the outputs of a run a Cancel stopped: each to \p why, except those \p restores
+  /// (wire::Run.restores) binds to the tensor of an earlier version, one of the run's
+  /// \p inputs (handles).
+  void cancelRun(uint64_t first, llvm::ArrayRef<uint64_t> inputs, size_t outputs,
+                 llvm::ArrayRef<uint32_t> restores, ErrorPtr why);
   bool greeted_ = false;
   bool counted_ = false;     ///< Holds a place of --max-connections (greetedSessions).
   std::string id_;           ///< The client's session id; empty: not resumable.
@@ -327,14 +345,16 @@ private:
   struct LastRun {
     std::vector<uint64_t> inputs;
     std::vector<ir::ScalarValue> scalars;
+    std::vector<uint32_t> restores; ///< wire::Run.restores
   };
   std::map<ir::Hash256, LastRun> lastRuns_;
-  /// The inputs and scalars of Run \p r of graph \p g (\p hash), whole or relative to the
-  /// previous run; an error message if they are not well formed.
+  /// The inputs, scalars and restores of Run \p r of graph \p g (\p hash), whole or relative
+  /// to the previous run; an error message if they are not well formed.
   std::string runArgs(wire::Run::Reader r, const ir::Hash256 &hash, const ir::Graph &g,
                       std::vector<uint64_t> &inputs,
-                      llvm::SmallVectorImpl<ir::ScalarValue> &scalars);
-  uint64_t runs_ = 0, executeNs_ = 0, compiledRuns_ = 0, writesInPlace_ = 0;
+                      llvm::SmallVectorImpl<ir::ScalarValue> &scalars,
+                      std::vector<uint32_t> &restores);
+  uint64_t runs_ = 0, executeNs_ = 0, compiledRuns_ = 0, writesInPlace_ = 0, runsCancelled_ = 0;
   std::vector<std::string> notes_; ///< For the client's log, sent with the next reply.
   void stats(wire::ServerStats::Builder out);
   ErrorPtr pending_; ///< The first error not yet reported to the client.

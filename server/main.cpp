@@ -175,7 +175,7 @@ struct Slot {
   bool stopped = false;         ///< under mu: the connection ended; the session is to go
   bool scheduled = false;       ///< under mu: in the pool's queue or being served
   bool deferred = false;        ///< under mu: its first frame waits for Server::wakeDeferred
-  std::atomic<bool> cancelled{false};
+  Signals signals; ///< to the session, as they happen
   std::atomic<bool> greeted{false};
   std::atomic<bool> readPaused{false};
   std::atomic<uint64_t> queuedBytes{0}; ///< of the frames in queue
@@ -465,7 +465,7 @@ void serveSlots(Server *server) {
     slot->queuedBytes -= frame.bytes;
     if (!slot->session) {
       slot->session = std::make_unique<Session>(*server->ctx, slot->peer, slot->admission,
-                                                &slot->cancelled);
+                                                &slot->signals);
       std::lock_guard<std::mutex> lock(slot->mu);
       slot->account = slot->session->account();
     }
@@ -488,7 +488,7 @@ void serveSlots(Server *server) {
       malloc_trim(0); // a large frame's buffers stay in no arena (see mallopt in main)
     if (out.adopted) {
       slot->session = std::move(out.adopted);
-      slot->session->attach(slot->peer, &slot->cancelled);
+      slot->session->attach(slot->peer, &slot->signals);
       std::lock_guard<std::mutex> lock(slot->mu);
       slot->account = slot->session->account();
     }
@@ -553,7 +553,7 @@ void closeConnection(Connection *c) {
     std::lock_guard<std::mutex> lock(c->slot->writeMu); // no pool thread sends past this
     c->slot->fd = -1;
   }
-  c->slot->cancelled = true;
+  c->slot->signals.closed = true;
   server->schedule(c->slot); // a pool thread ends the session
   server->conns.erase(c->id);
   --server->ctx->connectionsOpen;
@@ -655,6 +655,22 @@ void updateReading(Connection *c) {
   }
 }
 
+/// A frame flagged net::kFlagCancel, as it arrives: the runs of every earlier frame of the
+/// session stop now, not when the pool thread reaches this frame. Anything malformed is left to
+/// the pool thread, which serves the frame in its turn.
+void noteCancel(Slot &slot, const net::Frame &frame, const wire::Limits &limits) {
+  try {
+    auto cf = net::openFrame(frame, limits)->getRoot<wire::ClientFrame>();
+    auto commands = cf.getCommands();
+    if (cf.getSeq() == 0 || commands.size() != 1 || !commands[0].isCancel())
+      return;
+    uint64_t through = cf.getSeq() - 1, now = slot.signals.cancelThrough.load();
+    while (now < through && !slot.signals.cancelThrough.compare_exchange_weak(now, through)) {
+    }
+  } catch (const kj::Exception &) {
+  }
+}
+
 void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
   auto *c = static_cast<Connection *>(stream->data);
   if (n < 0) {
@@ -703,6 +719,8 @@ void onRead(uv_stream_t *stream, ssize_t n, const uv_buf_t *buf) {
         while (c->decoder.next(frame)) {
           if (c->slot->stopped) // a refused connection: read and dropped
             continue;
+          if ((frame.flags & net::kFlagCancel) && greeted)
+            noteCancel(*c->slot, frame, c->server->ctx->limits());
           c->slot->queuedBytes += frame.bytes;
           c->slot->queue.push_back(std::move(frame));
           any = true;

@@ -1,4 +1,5 @@
 #include "rgpu/client/Session.h"
+#include "rgpu/client/Interrupts.h"
 #include "rgpu/client/KnownValues.h"
 #include "rgpu/net/Auth.h"
 
@@ -79,6 +80,7 @@ struct Session::Command {
   std::vector<ir::Hash256> hashes; ///< A Forget's graphs.
   llvm::SmallVector<int64_t, 4> symbols; ///< A Run's symbol values (of a symbolic graph).
   llvm::IntrusiveRefCntPtr<DeviceData> valueOf; ///< A Download that brings this data's value.
+  std::vector<uint32_t> restores; ///< A Run's wire::Run.restores.
 };
 
 Session &Session::get() {
@@ -89,6 +91,7 @@ Session &Session::get() {
 Session::Session()
     : transport_([this](int level, const std::string &message) { log(level, message); }),
       diagnostics_([this](int level, const std::string &message) { log(level, message); }) {
+  transport_.setInterruptCheck([] { return interrupts::take(); });
   if (const char *n = std::getenv("RGPU_MAX_INFLIGHT"))
     maxInflight_ = size_t(std::clamp(std::atoi(n), 1, int(kMaxInFlightFrames)));
   if (const char *d = std::getenv("RGPU_DYNAMIC"))
@@ -426,6 +429,13 @@ uint64_t Session::queueResolved(Resolved r, bool replyMetas, const char *reason,
   run.count = r.outputs;
   run.handle = newHandles(run.count);
   run.replyMetas = replyMetas;
+  for (size_t k = 0; k + 1 < restores_.size(); k += 2) {
+    auto input = std::find(run.handles.begin(), run.handles.end(), restores_[k + 1]);
+    if (input != run.handles.end())
+      run.restores.insert(run.restores.end(),
+                          {uint32_t(restores_[k]), uint32_t(input - run.handles.begin())});
+  }
+  restores_.clear();
   const size_t nodes = r.locations.size();
   nodeLocations_[r.hash] = std::move(r.locations);
   if (r.symbolic)
@@ -551,6 +561,43 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
   std::vector<std::pair<TraceNode *, uint32_t>> outputs;
   for (const Out &o : outs)
     outputs.push_back({o.node, o.index});
+  // Outputs that are new versions of device data (Versions.h): a cancelled run binds them back.
+  // Functionalization keeps a view and its base as an alias of one another (a Parameter is a
+  // detach of its data, and its base is regenerated from the value written): an alias of a
+  // version is a version of the same data, and so is what a version aliases.
+  llvm::DenseMap<std::pair<TraceNode *, uint32_t>, uint64_t> versions;
+  for (const Out &o : outs)
+    for (LazyTensorImpl *impl : o.impls)
+      if (impl->versionOf) {
+        versions[{o.node, o.index}] = impl->versionOf;
+        break;
+      }
+  // The value \p node's output \p index is an alias of, if it is one (same layout).
+  auto aliased = [](TraceNode *node, uint32_t index) -> std::optional<std::pair<TraceNode *, uint32_t>> {
+    llvm::StringRef op = node->node.op.str();
+    if ((op != "aten::detach_copy" && op != "aten::alias_copy") || node->inputs.size() != 1 ||
+        !node->inputs[0].pending())
+      return std::nullopt;
+    const Value &in = node->inputs[0];
+    if (!(in.node->node.outputs[in.index] == node->node.outputs[index]))
+      return std::nullopt;
+    return std::make_pair(in.node.get(), in.index);
+  };
+  restores_.clear();
+  if (!versions.empty()) {
+    for (const Out &o : outs)
+      if (auto source = aliased(o.node, o.index))
+        if (auto it = versions.find({o.node, o.index}); it != versions.end())
+          versions.try_emplace(*source, it->second);
+    for (size_t k = 0; k < outs.size(); ++k) {
+      std::optional<std::pair<TraceNode *, uint32_t>> at = std::make_pair(outs[k].node, outs[k].index);
+      for (int hops = 0; at && hops < 4; ++hops, at = aliased(at->first, at->second))
+        if (auto it = versions.find(*at); it != versions.end()) {
+          restores_.insert(restores_.end(), {uint64_t(k), it->second});
+          break;
+        }
+    }
+  }
   TraceKey key = readTrace(nodes, outputs);
   Resolved replayed;
   uint64_t first;
@@ -586,6 +633,7 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
     bool wanted = false;
     for (LazyTensorImpl *impl : outs[k].impls) {
       impl->value = Value{nullptr, 0, data};
+      impl->versionOf = 0;
       wanted |= impl->wantValue;
       impl->wantValue = false;
     }
@@ -1292,13 +1340,19 @@ Session::Reply Session::flush(bool wantReply) {
 
   ++stats.waits;
   auto start = std::chrono::steady_clock::now();
-  // Replies read here in a burst say nothing about when they came: they are not timed.
-  net::Frame answer =
-      transport_.receive(seq, [this](const net::Frame &f) { absorb(f, nullptr, 0, false); });
+  const uint64_t cancelled = transport_.cancelledThrough();
+  net::Frame answer = [&] {
+    interrupts::Wait wait;
+    // Replies read here in a burst say nothing about when they came: they are not timed.
+    return transport_.receive(seq,
+                              [this](const net::Frame &f) { absorb(f, nullptr, 0, false); });
+  }();
   auto waited = std::chrono::steady_clock::now() - start;
   diagnostics_.waited(site_, locationText(site_), ranInFrame,
                       std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count());
   Reply results = absorb(answer, &targets, seq);
+  if (transport_.cancelledThrough() != cancelled)
+    interrupted();
   raiseDeferred();
   if (!results.error.empty())
     raise(ErrorKind::Remote, results.error, results.errorType);
@@ -1315,7 +1369,8 @@ void Session::encodeRunArgs(const Command &c, wire::Run::Builder r) {
     auto sc = r.initScalars(c.scalars.size());
     for (size_t k = 0; k < c.scalars.size(); ++k)
       wire::encodeScalar(c.scalars[k], sc[k]);
-    lastRuns_[c.hash] = LastRun{c.handles, c.scalars};
+    encodeRestores(c.restores, r);
+    lastRuns_[c.hash] = LastRun{c.handles, c.scalars, c.restores};
     return;
   }
   // Relative to the previous run of this graph: handles as runs of equal deltas (a step's
@@ -1364,7 +1419,15 @@ void Session::encodeRunArgs(const Command &c, wire::Run::Builder r) {
     sl.set(k, slots[k]);
     vl.set(k, values[k]);
   }
-  prev = LastRun{c.handles, c.scalars};
+  if (c.restores != prev.restores) // else absent: the previous run's
+    encodeRestores(c.restores, r);
+  prev = LastRun{c.handles, c.scalars, c.restores};
+}
+
+void Session::encodeRestores(const std::vector<uint32_t> &restores, wire::Run::Builder r) {
+  auto rs = r.initRestores(restores.size());
+  for (size_t k = 0; k < restores.size(); ++k)
+    rs.set(k, restores[k]);
 }
 
 Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint64_t ownSeq,
@@ -1444,6 +1507,7 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
         out.compiledRuns = st.getCompiledRuns();
         out.sessionCompiledRuns = st.getSessionCompiledRuns();
         out.sessionWritesInPlace = st.getSessionWritesInPlace();
+        out.sessionRunsCancelled = st.getSessionRunsCancelled();
         out.connections = st.getConnections();
         out.connectionsRefused = st.getConnectionsRefused();
         out.sessionMemory = st.getSessionMemory();
@@ -1501,6 +1565,11 @@ Session::Reply Session::absorb(const net::Frame &frame, const Targets *own, uint
       error = describe(sf.getError());
       errorType = sf.getError().getPythonType();
       fatal = sf.getError().getKind() != wire::Error::Kind::REMOTE;
+      // What a Cancel stopped was reported by the wait it interrupted.
+      if (errorType == kCancelledType && ack <= transport_.cancelledThrough() + 1) {
+        error.clear();
+        errorType.clear();
+      }
     }
     if (own && ack != ownSeq && !fatal) {
       fatal = true;
@@ -1535,8 +1604,12 @@ void Session::awaitReply(uint64_t seq, bool throttle) {
     return;
   std::vector<ir::Hash256> runs = it->runs;
   auto start = std::chrono::steady_clock::now();
-  net::Frame frame = transport_.receive(
-      seq, [this](const net::Frame &f) { absorb(f, nullptr); }, /*spin=*/!throttle);
+  const uint64_t cancelled = transport_.cancelledThrough();
+  net::Frame frame = [&] {
+    interrupts::Wait wait;
+    return transport_.receive(
+        seq, [this](const net::Frame &f) { absorb(f, nullptr); }, /*spin=*/!throttle);
+  }();
   const uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                           std::chrono::steady_clock::now() - start).count();
   if (throttle) {
@@ -1547,6 +1620,32 @@ void Session::awaitReply(uint64_t seq, bool throttle) {
     diagnostics_.waited(site_, locationText(site_), runs, ns);
   }
   absorb(frame, nullptr);
+  if (transport_.cancelledThrough() != cancelled)
+    interrupted();
+}
+
+void Session::interrupted() {
+  if (deferredErrorType_ == kCancelledType) {
+    deferredError_.clear();
+    deferredErrorType_.clear();
+  }
+  raise(ErrorKind::Interrupted,
+        "rgpu: interrupted while waiting for rgpu-opserver at " + transport_.address() +
+            " (at " + locationText(site_) +
+            "): it stopped this session's runs, and tensors they were computing raise "
+            "rgpu.Cancelled if read; tensors updated in place keep their values from before "
+            "the run");
+}
+
+void Session::cancel() {
+  interrupts::request(); // a wait in progress takes it
+  std::unique_lock<std::recursive_mutex> lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock() || lost() || !transport_.connected())
+    return; // another thread traces or waits: its wait takes the request
+  ++depth_;
+  if (transport_.lastSent() > lastReply_)
+    transport_.cancel();
+  --depth_;
 }
 
 void Session::boundInflight() {

@@ -344,10 +344,22 @@ net::Frame Transport::receive(uint64_t seq,
   // silence means a hung server or a dead link.
   const int silenceMs = std::clamp(reconnectSeconds_ * 500, 1500, 10000);
   auto heard = Clock::now();
+  // Waited for in slices while an interrupt may come (see setInterruptCheck).
+  bool cancelled = false, first = true;
   for (;;) {
+    if (interrupted_ && !cancelled && interrupted_())
+      cancelled = cancel() > 0;
+    const bool sliced = interrupted_ && !cancelled;
     net::Frame frame;
-    auto status = socket_.connected() ? socket_.receive(*decoder_, frame, silenceMs, spin)
-                                      : net::Socket::Status::Closed;
+    auto status = socket_.connected()
+                      ? socket_.receive(*decoder_, frame,
+                                        sliced ? std::min(silenceMs, kInterruptPollMs) : silenceMs,
+                                        spin && first)
+                      : net::Socket::Status::Closed;
+    first = false;
+    if (status == net::Socket::Status::Timeout && sliced &&
+        Clock::now() - heard < std::chrono::milliseconds(silenceMs))
+      continue;
     if (status == net::Socket::Status::Ok) {
       heard = Clock::now();
       uint64_t ack = seq;
@@ -432,21 +444,36 @@ void Transport::recover(const std::string &why, Clock::time_point since) {
 }
 
 namespace {
-/// A frame numbered \p seq that asks for a reply to its one command, a Sync or a Bye.
-std::string controlFrame(uint64_t seq, bool bye) {
+enum class Control { Sync, Bye, Cancel };
+/// A frame numbered \p seq of one command: a Sync or a Bye, which ask for a reply, or a Cancel,
+/// flagged for the server's I/O loop.
+std::string controlFrame(uint64_t seq, Control kind) {
   capnp::MallocMessageBuilder b;
   auto frame = b.initRoot<wire::ClientFrame>();
   frame.setSeq(seq);
-  frame.setWantReply(true);
+  frame.setWantReply(kind != Control::Cancel);
   auto cmd = frame.initCommands(1)[0];
-  bye ? cmd.setBye() : cmd.setSync();
-  return net::encodeFrame(b, true);
+  switch (kind) {
+  case Control::Sync: cmd.setSync(); break;
+  case Control::Bye: cmd.setBye(); break;
+  case Control::Cancel: cmd.setCancel(); break;
+  }
+  return net::encodeFrame(b, true, kind == Control::Cancel ? net::kFlagCancel : 0);
 }
 } // namespace
 
+uint64_t Transport::cancel() {
+  if (lost() || sessionId_.empty() || lastSent_ == 0)
+    return 0;
+  cancelledThrough_ = lastSent_;
+  const uint64_t seq = nextSeq();
+  send(seq, controlFrame(seq, Control::Cancel));
+  return cancelledThrough_;
+}
+
 void Transport::keepAnchor() {
   const uint64_t seq = nextSeq();
-  std::string bytes = controlFrame(seq, /*bye=*/false);
+  std::string bytes = controlFrame(seq, Control::Sync);
   keptBytes_ += bytes.size();
   kept_.emplace_back(seq, std::move(bytes));
   lastSent_ = seq;
@@ -460,7 +487,7 @@ void Transport::close() {
     // has read the Bye would keep the session for a resume. Best effort: a lost Bye costs the
     // server the grace period, never this client more than a second.
     const uint64_t seq = nextSeq();
-    if (socket_.sendAll(controlFrame(seq, /*bye=*/true))) {
+    if (socket_.sendAll(controlFrame(seq, Control::Bye))) {
       auto until = Clock::now() + std::chrono::seconds(1);
       for (net::Frame reply; Clock::now() < until;) {
         int ms = int(std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now())

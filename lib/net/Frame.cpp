@@ -33,20 +33,20 @@ void putHeader(std::string &out, uint32_t flags, uint64_t length) {
 }
 } // namespace
 
-std::string encodeFrame(capnp::MessageBuilder &message, bool pack) {
+std::string encodeFrame(capnp::MessageBuilder &message, bool pack, uint32_t flags) {
   std::string out;
   if (pack) {
     kj::VectorOutputStream stream;
     capnp::writePackedMessage(stream, message);
     auto bytes = stream.getArray();
-    putHeader(out, kFlagPacked, bytes.size());
+    putHeader(out, flags | kFlagPacked, bytes.size());
     out.append(reinterpret_cast<const char *>(bytes.begin()), bytes.size());
     return out;
   }
   auto words = capnp::messageToFlatArray(message);
   auto bytes = words.asBytes();
   out.reserve(kHeaderBytes + bytes.size());
-  putHeader(out, 0, bytes.size());
+  putHeader(out, flags, bytes.size());
   out.append(reinterpret_cast<const char *>(bytes.begin()), bytes.size());
   return out;
 }
@@ -137,7 +137,7 @@ bool FrameDecoder::feed(const char *data, size_t n) {
         error_ = "not an rgpu frame (bad magic)";
         return false;
       }
-      if (flags & ~kFlagPacked) {
+      if (flags & ~(kFlagPacked | kFlagCancel)) {
         error_ = "unknown frame flags";
         return false;
       }

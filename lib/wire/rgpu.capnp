@@ -124,7 +124,13 @@ struct Run {
                                  # run's handles plus delta; `inputs` is empty
   changedSlots @9 :List(UInt32); # the scalar slots whose values changed...
   changedValues @10 :List(UInt16); # ...each one's value, an index into `scalars`, which holds
-}                                  # the distinct new values
+                                   # the distinct new values
+  # A cancelled run binds none of its outputs: each is an error (Error.pythonType "Cancelled"),
+  # except those that are a new version of a tensor the user updated in place (a parameter
+  # after an optimizer step): pairs (output k, input i) bind output k to input i's tensor, the
+  # version from before the run. Absent in a relative Run: those of the previous run.
+  restores @11 :List(UInt32);
+}
 
 struct Upload {
   handle @0 :UInt64;
@@ -165,6 +171,10 @@ struct Command {
     joinGroup @14 :JoinGroup; # answered with the group's name for this session's graphs (text)
     rngState @15 :RngStateRequest; # answered with the generator's state (rngState)
     generator @16 :GeneratorRequest; # makes, seeds or drops a generator of this session
+    cancel @17 :Void;    # the user interrupted (Ctrl-C, rgpu.cancel()): every Run of this
+                         # session's earlier frames is cancelled (see Run.restores). Its frame
+                         # has the header flag net::kFlagCancel, so the server's I/O loop sees
+                         # it as it arrives, while earlier frames still run
   }
 }
 
@@ -253,7 +263,9 @@ struct Error {
   node @5 :UInt32;       # line as of its latest run (locations are not part of the hash)
   pythonType @6 :Text;   # the Python exception CPU eager raises for this failure: "IndexError",
                          # "ValueError", "TypeError", "NotImplementedError", "LinAlgError",
-                         # "OutOfMemoryError", or empty (RuntimeError); any other is ignored
+                         # "OutOfMemoryError", or empty (RuntimeError); "Cancelled": the value
+                         # is that of a run a Cancel stopped (rgpu.Cancelled); any other is
+                         # ignored
   enum Kind {
     remote @0;           # an op failed; the session goes on
     protocol @1;         # the frame was malformed; the server closes the connection
@@ -344,6 +356,7 @@ struct ServerStats {
   sessionsExpired @33 :UInt64;     # parked sessions dropped when their grace passed
   memoryKept @34 :UInt64;          # freed blocks sessions keep for their own reuse
   sessionWritesInPlace @35 :UInt64; # compiled writes into a released input's own buffer
+  sessionRunsCancelled @36 :UInt64; # this session's runs a Cancel stopped or skipped
 }
 
 struct ServerFrame {

@@ -19,10 +19,12 @@ import warnings
 import torch
 
 __all__ = [
+    "Cancelled",
     "RemoteError",
     "SessionLost",
     "AuthenticationError",
     "UnsupportedOpError",
+    "cancel",
     "compile_backend",
     "flush",
     "mark_dynamic",
@@ -57,7 +59,15 @@ def _remote_errors():
     return {name: type(f"Remote{name}", (RemoteError, base),
                        {"__module__": __name__, "__doc__": f"A RemoteError that CPU eager "
                                                            f"raises as {base.__name__}."})
-            for name, base in bases.items()}
+            for name, base in bases.items()} | {"Cancelled": Cancelled}
+
+
+class Cancelled(RemoteError):
+    """The value of a run that was cancelled: Ctrl-C (or ``rgpu.cancel()``) during a wait
+    stopped the server's work for this session, and this tensor was not computed. Tensors that
+    the cancelled run updated in place (parameters, optimizer state, running statistics) keep
+    their values from before it; the session goes on. Raised too by the interrupted wait itself
+    when it was interrupted by ``rgpu.cancel()`` (Ctrl-C raises ``KeyboardInterrupt``)."""
 
 
 class SessionLost(RuntimeError):
@@ -166,6 +176,15 @@ atexit.register(_C.flush_graph_cache)
 atexit.register(_C.close)
 
 
+def cancel() -> None:
+    """Interrupts what rgpu is waiting for, from code, as Ctrl-C does: call it from another
+    thread (a timer, a watchdog) while the main thread waits for the server. The wait raises
+    ``rgpu.Cancelled`` within ~50 ms, the server stops this session's runs at its next kernel
+    (a compiled graph finishes first), and the session goes on. With no wait in progress, the
+    work already sent stops the same way. Never blocks."""
+    _C.cancel()
+
+
 def reset() -> None:
     """Starts a new session after ``SessionLost``, without restarting Python: the next rgpu
     operation connects again. Tensors of the old session raise ``SessionLost`` when used."""
@@ -235,7 +254,8 @@ def server_stats() -> dict:
 
     ``session`` holds ``graph_runs``, ``compiled_runs``, ``writes_in_place`` (compiled code
     writing a tensor's new value into the buffer of its old one, which the program had let go:
-    a static KV cache's update), ``execute_ms``, ``tensors``,
+    a static KV cache's update), ``runs_cancelled`` (by Ctrl-C or ``rgpu.cancel()``),
+    ``execute_ms``, ``tensors``,
     ``memory`` (bytes held), ``memory_peak``, ``memory_quota`` (0 for none),
     ``allocations_refused``, ``graph_bytes`` held against ``graph_budget``,
     ``graphs_forgotten``, and per graph it holds ``executor``, ``runs``, ``compiled_runs``,

@@ -8,6 +8,7 @@
 #include "rgpu/client/InplaceChecks.h"
 #include "rgpu/client/MetaKernels.h"
 #include "rgpu/client/Session.h"
+#include "rgpu/client/Versions.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
@@ -40,6 +41,23 @@ struct RgpuError : torch::PyTorchError {
   RgpuError(ErrorKind kind, std::string message, std::string pythonType)
       : PyTorchError(std::move(message)), kind(kind), pythonType(std::move(pythonType)) {}
   PyObject *python_type() override {
+    if (kind == ErrorKind::Interrupted) {
+      // Python's SIGINT handler (KeyboardInterrupt, or whatever the program installed) runs
+      // now, instead of at its next instruction: its exception's class is this one's. Without
+      // a signal (rgpu.cancel()), or with a handler that raises nothing: rgpu.Cancelled.
+      if (PyErr_CheckSignals() != 0) {
+        PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
+        PyErr_Fetch(&type, &value, &traceback);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        static PyObject *raised = nullptr; // kept alive while torch raises it
+        Py_XDECREF(raised);
+        raised = type;
+        if (type)
+          return type;
+      }
+      return gRemoteErrors.at(kCancelledType);
+    }
     if (kind == ErrorKind::Remote) {
       auto it = gRemoteErrors.find(pythonType);
       return it != gRemoteErrors.end() ? it->second : gRemoteError;
@@ -204,6 +222,7 @@ PYBIND11_MODULE(_C, m) {
     setLocationProvider(&userLocation);
     registerWholeOps();
     checkOutOps();
+    trackVersions(); // after checkOutOps, whose kernels it wraps
   });
   m.def("set_server", [](std::string address) {
     Session::Lock lock(Session::get());
@@ -269,6 +288,7 @@ PYBIND11_MODULE(_C, m) {
     return session.setMaxInflight(n);
   });
   m.def("send", []() { Session::get().send(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("cancel", []() { Session::get().cancel(); }, py::call_guard<py::gil_scoped_release>());
   m.def("_check_replays", [](bool on) {
     Session &session = Session::get();
     Session::Lock lock(session);
@@ -490,6 +510,7 @@ PYBIND11_MODULE(_C, m) {
     session["tensors"] = st.sessionTensors;
     session["compiled_runs"] = st.sessionCompiledRuns;
     session["writes_in_place"] = st.sessionWritesInPlace;
+    session["runs_cancelled"] = st.sessionRunsCancelled;
     session["memory"] = st.sessionMemory;
     session["memory_peak"] = st.sessionMemoryPeak;
     session["memory_quota"] = st.sessionMemoryQuota;

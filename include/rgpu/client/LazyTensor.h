@@ -78,6 +78,9 @@ public:
   Value value;
   /// rgpu.on_ready waits for this pending tensor: the cut that computes it asks for its bytes.
   bool wantValue = false;
+  /// The handle of the device data this tensor is a new version of, made by ops that wrote a
+  /// tensor holding it (Versions.h); 0 if none. Cleared when a cut computes it.
+  uint64_t versionOf = 0;
   /// Made by a view op after functionalization (inside a composite kernel): a copy, which a
   /// write must not take for an alias.
   bool rawView = false;

@@ -44,7 +44,11 @@ struct Stats {
 /// they surface as rgpu.RemoteError and rgpu.SessionLost.
 /// A remote error may name the Python exception CPU eager raises for it (wire::Error.pythonType:
 /// "IndexError", ...); it is raised as an rgpu.RemoteError that is also one of those.
-enum class ErrorKind { Remote, SessionLost, Auth };
+/// Interrupted: a wait was interrupted (SIGINT, rgpu.cancel()) and the server stopped this
+/// session's runs; raised as what Python's SIGINT handler raises, else rgpu.Cancelled.
+enum class ErrorKind { Remote, SessionLost, Auth, Interrupted };
+/// wire::Error.pythonType of a value whose run a Cancel stopped.
+inline constexpr const char *kCancelledType = "Cancelled";
 using ErrorRaiser = void (*)(ErrorKind, const std::string &message, const std::string &pythonType);
 void setErrorRaiser(ErrorRaiser raiser);
 [[noreturn]] void raise(ErrorKind kind, const std::string &message,
@@ -128,6 +132,9 @@ public:
   void requestValue(LazyTensorImpl *impl);
   /// Sends what is queued (uploads) now, without cutting the trace or waiting.
   void send();
+  /// rgpu.cancel(): interrupts the wait in progress on any thread, as Ctrl-C does; if none is,
+  /// the server stops the runs of every frame sent so far. Never blocks.
+  void cancel();
   /// How many steps may wait on the server (RGPU_MAX_INFLIGHT); returns the previous bound.
   size_t setMaxInflight(size_t n) {
     std::swap(n, maxInflight_);
@@ -139,7 +146,8 @@ public:
     uint64_t sessionGraphRuns = 0, sessionExecuteNs = 0, sessionTensors = 0;
     std::string compiler;
     uint64_t inductorCompiles = 0, compilesPending = 0, compileFailures = 0, diskCacheHits = 0;
-    uint64_t compiledRuns = 0, sessionCompiledRuns = 0, sessionWritesInPlace = 0;
+    uint64_t compiledRuns = 0, sessionCompiledRuns = 0, sessionWritesInPlace = 0,
+             sessionRunsCancelled = 0;
     uint64_t connections = 0, connectionsRefused = 0;
     uint64_t sessionMemory = 0, sessionMemoryPeak = 0, sessionMemoryQuota = 0,
              sessionMemoryRefused = 0, memoryHeld = 0, memoryKept = 0, memoryLimit = 0;
@@ -302,6 +310,8 @@ private:
   bool replay(const TraceKey &key, llvm::ArrayRef<TraceNode *> nodes, Resolved &out);
   uint64_t queueResolved(Resolved r, bool replyMetas, const char *reason,
                          const std::string &executor);
+  /// The restores (wire::Run.restores) of the Run the cut being made queues.
+  std::vector<uint64_t> restores_;
   /// Cuts the trace (\p reason), sends \p c alone and waits for its text answer.
   std::string askText(Command c, const char *reason);
   void log(int level, const std::string &message);
@@ -322,9 +332,13 @@ private:
   struct LastRun {
     std::vector<uint64_t> inputs;
     std::vector<ir::ScalarValue> scalars;
+    std::vector<uint32_t> restores;
   };
   std::map<ir::Hash256, LastRun> lastRuns_;
   void encodeRunArgs(const Command &c, wire::Run::Builder r);
+  static void encodeRestores(const std::vector<uint32_t> &restores, wire::Run::Builder r);
+  /// After a wait that sent a Cancel: raises ErrorKind::Interrupted.
+  [[noreturn]] void interrupted();
   /// Per Download of a frame, the data whose value it brings, in what layout (null data: an
   /// ordinary download).
   struct Target {

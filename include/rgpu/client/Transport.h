@@ -87,6 +87,17 @@ public:
   /// is not for a value: the CPU is better left to the server).
   net::Frame receive(uint64_t seq, const std::function<void(const net::Frame &)> &earlier,
                      bool spin = true);
+  /// While receive() waits, \p check is asked every kInterruptPollMs; the first time it says
+  /// yes, a Cancel goes out (cancel()) and the wait goes on for its reply, which comes soon.
+  void setInterruptCheck(std::function<bool()> check) { interrupted_ = std::move(check); }
+  static constexpr int kInterruptPollMs = 40;
+  /// Sends a Cancel: the server stops the runs of every frame sent before it, at the plan's
+  /// next kernel. Returns the last frame it covers (cancelledThrough()).
+  uint64_t cancel();
+  /// The last frame a Cancel covered; 0 if none did.
+  uint64_t cancelledThrough() const { return cancelledThrough_; }
+  /// The last frame sent.
+  uint64_t lastSent() const { return lastSent_; }
   /// The next reply that has arrived, without waiting; false if none has. A dropped connection
   /// is resumed here as in receive().
   bool poll(net::Frame &out);
@@ -127,6 +138,8 @@ private:
   void keepAnchor();
 
   std::function<void(int, const std::string &)> log_;
+  std::function<bool()> interrupted_;
+  uint64_t cancelledThrough_ = 0;
   std::string wanted_, address_;
   net::Endpoint endpoint_;
   bool tcp_ = false;

@@ -23,6 +23,9 @@ namespace rgpu::net {
 constexpr uint32_t kMagic = 0x55504752; // "RGPU" in little-endian byte order
 constexpr size_t kHeaderBytes = 16;
 constexpr uint32_t kFlagPacked = 1;
+/// A client frame whose one command is a Cancel: the server's I/O loop reads it as it arrives
+/// (wire::Command's cancel).
+constexpr uint32_t kFlagCancel = 2;
 
 /// One received frame's payload, word-aligned for Cap'n Proto.
 struct Frame {
@@ -33,7 +36,7 @@ struct Frame {
 
 /// Serialises \p message into a frame. Packs it when \p pack (small control frames, where
 /// packing roughly halves the size); data-heavy frames are sent flat.
-std::string encodeFrame(capnp::MessageBuilder &message, bool pack);
+std::string encodeFrame(capnp::MessageBuilder &message, bool pack, uint32_t flags = 0);
 
 /// Opens a reader over a received frame, with reader limits derived from \p limits and the
 /// frame's size. Throws kj::Exception on a malformed message.
