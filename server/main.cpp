@@ -655,10 +655,14 @@ void updateReading(Connection *c) {
   }
 }
 
+constexpr uint64_t kMaxCancelBytes = 256;
+
 /// A frame flagged net::kFlagCancel, as it arrives: the runs of every earlier frame of the
 /// session stop now, not when the pool thread reaches this frame. Anything malformed is left to
 /// the pool thread, which serves the frame in its turn.
 void noteCancel(Slot &slot, const net::Frame &frame, const wire::Limits &limits) {
+  if (frame.bytes > kMaxCancelBytes) // a Cancel is tens of bytes: the loop opens nothing large
+    return;
   try {
     auto cf = net::openFrame(frame, limits)->getRoot<wire::ClientFrame>();
     auto commands = cf.getCommands();

@@ -98,6 +98,12 @@ def _register_lightning_accelerator(module):
                 devices = getattr(chosen, "_parallel_devices", None) or [torch.device("rgpu", 0)]
                 strategy._root_device = devices[0]
                 torch.rgpu.set_device(devices[0])
+            # Lightning's DDP takes every device that is not the CPU for CUDA (device ids, a
+            # CUDA stream): rgpu's DDP is torch's with device_ids=None, as on the CPU.
+            ddp = getattr(single, "DDPStrategy", None)
+            if ddp is not None and isinstance(strategy, ddp) and \
+                    strategy.root_device.type == "rgpu":
+                strategy.determine_ddp_device_ids = lambda: None
             super().setup(trainer)
 
         def get_device_stats(self, device):

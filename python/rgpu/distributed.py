@@ -66,6 +66,14 @@ class ProcessGroupRgpu(dist.ProcessGroup):
     def getBackendName(self):
         return "rgpu"
 
+    # c10d asks a group for its backend of a device when init_process_group is given a
+    # device_id (Lightning's DDP gives its root device): this group is its own, and it makes no
+    # subgroups by splitting.
+    supports_splitting = False
+
+    def _get_backend(self, device):
+        return self
+
     def _each(self, tensors, collective):
         """Runs `collective` (an rgpu tensor -> its result) for each tensor, in place."""
         for t in tensors:

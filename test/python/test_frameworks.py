@@ -6,11 +6,13 @@ for the life of a process)."""
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import run_client
+from conftest import Server, run_client
 
 TRAINER = textwrap.dedent("""
     import json, sys, torch, rgpu
@@ -171,6 +173,78 @@ def test_lightning_trains_on_rgpu_by_name_and_by_auto_like_the_cpu(server):
         assert len(seen) == 8
         torch.testing.assert_close([v for v, _, _ in seen], [v for v, _, _ in runs["cpu"]],
                                    rtol=1e-5, atol=1e-6)
+
+
+LIGHTNING_DDP = textwrap.dedent("""
+    import json, torch, rgpu
+    import lightning as L
+    torch.manual_seed(0)
+    X, Y = torch.randn(64, 16), torch.randn(64, 4)
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(1)
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                           torch.nn.Linear(32, 4))
+
+        def training_step(self, batch, i):
+            x, y = batch
+            self.devices_seen = str(x.device)
+            return (self.net(x) - y).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
+    model = Model()
+    trainer = L.Trainer(accelerator="rgpu", devices=2, strategy="ddp", max_epochs=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, data)
+    print(json.dumps({"rank": trainer.global_rank, "device": model.devices_seen,
+                      "backend": torch.distributed.get_backend() if
+                      torch.distributed.is_initialized() else None,
+                      "params": [p.detach().cpu().tolist() for p in model.parameters()]}),
+          flush=True)
+    if trainer.global_rank == 0:
+        # One process on the global batch: both ranks' batches of each step, in the order
+        # Lightning's DistributedSampler gives them (shuffled with seed 0, rank r every other).
+        order = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
+        ref = Model()
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for s in range(4):
+            rows = order[0::2][8 * s:8 * s + 8] + order[1::2][8 * s:8 * s + 8]
+            loss = (ref.net(X[rows]) - Y[rows]).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        print(json.dumps({"reference": [p.detach().tolist() for p in ref.parameters()]}))
+""")
+
+
+def test_lightning_ddp_on_two_devices_equals_one_process_on_the_global_batch(tmp_path):
+    # Lightning starts rank 1 by running the script again: it must be a file.
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_DDP)
+    server = Server("--devices", "cpu,cpu")
+    try:
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path,
+                           env=dict(os.environ, RGPU_OPSERVER=server.address))
+        assert r.returncode == 0, r.stderr[-3000:]
+        lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+        ranks = {line["rank"]: line for line in lines if "rank" in line}
+        assert set(ranks) == {0, 1}, r.stdout
+        assert [ranks[k]["device"] for k in (0, 1)] == ["rgpu:0", "rgpu:1"]
+        assert ranks[0]["backend"] == "rgpu"
+        reference = next(line["reference"] for line in lines if "reference" in line)
+        for rank in (0, 1):
+            for got, want in zip(ranks[rank]["params"], reference):
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(want),
+                                           rtol=1e-5, atol=1e-6)
+    finally:
+        server.stop()
 
 
 def _hf_model(family):

@@ -154,15 +154,16 @@ public:
 
   /// Sends one frame built by \p fill; returns the reply if \p wantReply.
   /// With \p wait false, asks for a reply without waiting for it (see receive).
+  /// \p flags: header flags besides packing (net::kFlagCancel).
   template <typename Fill>
   std::optional<net::Frame> send(bool wantReply, size_t n, Fill fill, bool pack = true,
-                                 bool wait = true) {
+                                 bool wait = true, uint32_t flags = 0) {
     capnp::MallocMessageBuilder b;
     auto f = b.initRoot<wire::ClientFrame>();
     f.setSeq(++seq_);
     f.setWantReply(wantReply);
     fill(f.initCommands(n));
-    if (!socket_.sendAll(net::encodeFrame(b, pack)))
+    if (!socket_.sendAll(net::encodeFrame(b, pack, flags)))
       return std::nullopt;
     if (!wantReply || !wait)
       return net::Frame();
@@ -1442,6 +1443,102 @@ TEST(Faults, AClosedSessionsQueuedRunsAreDropped) {
   std::this_thread::sleep_for(std::chrono::seconds(1));
   double used = serverCpuSeconds() - before;
   EXPECT_LT(used, 0.3) << "the server went on running a closed session's frame";
+  expectGoodSessionUnaffected();
+}
+
+/// Seconds of 1024x1024 matmuls: \p peer defines the graph and uploads its input (handle 60).
+ir::Graph matmulsIn(Peer &peer) {
+  ir::TensorMeta m = ir::TensorMeta::contiguous(ir::dtype::Float, {1024, 1024});
+  ir::Graph g;
+  g.inputs = {m};
+  ir::Node n;
+  n.op = ir::Symbol::get("aten::mm");
+  n.operands = {0, 0};
+  n.args = {ir::Arg::ref(ir::Arg::Kind::Tensor, 0), ir::Arg::ref(ir::Arg::Kind::Tensor, 1)};
+  n.outputs = {m};
+  g.nodes.push_back(n);
+  g.outputs = {1};
+  std::vector<kj::byte> zeros(4u << 20);
+  EXPECT_TRUE(peer.send(true, 2, [&](auto cmds) {
+    uploadChunk(cmds[0], 60, m, 4u << 20, 0, kj::arrayPtr(zeros.data(), zeros.size()));
+    defineIn(cmds[1], g);
+  }, /*pack=*/false));
+  return g;
+}
+
+TEST(Faults, ACancelStopsOnlyItsOwnSessionsEarlierFrames) {
+  Peer a, b;
+  a.hello();
+  b.hello();
+  ir::Graph g = matmulsIn(a);
+  ir::Graph h = matmulsIn(b);
+  auto runs = [](const ir::Graph &graph) {
+    return [&graph](auto cmds) {
+      for (auto c : cmds)
+        runIn(c, ir::hashGraph(graph), {60}, 61, 1);
+    };
+  };
+  auto cancel = [](auto cmds) { cmds[0].setCancel(); };
+  // Both queue seconds of work (b's would take half a minute); b's Cancel is its own: a's
+  // runs go on.
+  ASSERT_TRUE(a.send(false, 20, runs(g)));
+  ASSERT_TRUE(b.send(false, 400, runs(h)));
+  auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(b.send(false, 1, cancel, true, true, net::kFlagCancel));
+  auto bReply = b.send(true, 1, [](auto cmds) { cmds[0].setStats(); });
+  ASSERT_TRUE(bReply);
+  const double bSeconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(bSeconds, 2.0) << "a Cancel did not stop its session's queued runs";
+  auto stats = net::openFrame(*bReply, wire::Limits())->getRoot<wire::ServerFrame>();
+  ASSERT_EQ(stats.getResults().size(), 1u);
+  auto bStats = stats.getResults()[0].getStats();
+  EXPECT_GE(bStats.getSessionRunsCancelled(), 398u);
+  EXPECT_EQ(bStats.getSessionRunsCancelled() + bStats.getSessionGraphRuns(), 400u);
+  // A later frame of b runs: the Cancel covers only the frames before it.
+  ASSERT_TRUE(b.send(false, 1, runs(h)));
+  auto later = b.send(true, 1, [](auto cmds) { cmds[0].setStats(); });
+  ASSERT_TRUE(later);
+  EXPECT_EQ(net::openFrame(*later, wire::Limits())
+                ->getRoot<wire::ServerFrame>()
+                .getResults()[0]
+                .getStats()
+                .getSessionGraphRuns(),
+            bStats.getSessionGraphRuns() + 1);
+  // a's runs all ran.
+  auto aReply = a.send(true, 1, [](auto cmds) { cmds[0].setStats(); });
+  ASSERT_TRUE(aReply);
+  auto aStats =
+      net::openFrame(*aReply, wire::Limits())->getRoot<wire::ServerFrame>().getResults()[0].getStats();
+  EXPECT_EQ(aStats.getSessionGraphRuns(), 20u);
+  EXPECT_EQ(aStats.getSessionRunsCancelled(), 0u);
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, ACancelFlagBeforeTheHelloOrOnALargeFrameIsNoCancel) {
+  // Before the Hello the loop opens nothing: the frame is the session's first, not a Hello.
+  Peer early;
+  ASSERT_TRUE(early.send(false, 1, [](auto cmds) { cmds[0].setCancel(); }, true, true,
+                         net::kFlagCancel));
+  EXPECT_TRUE(early.closedByServer());
+  // A flagged frame past 256 bytes is not opened by the loop; the pool serves it in its turn
+  // (its Cancel then stops nothing that is still running).
+  Peer big;
+  big.hello();
+  ir::Graph g = matmulsIn(big);
+  ASSERT_TRUE(big.send(false, 20, [&](auto cmds) {
+    for (auto c : cmds)
+      runIn(c, ir::hashGraph(g), {60}, 61, 1);
+  }));
+  ASSERT_TRUE(big.send(false, 2, [](auto cmds) {
+    cmds[0].setCancel();
+    cmds[1].initRelease(64); // 512 bytes of handles
+  }, /*pack=*/false, true, net::kFlagCancel));
+  auto reply = big.send(true, 1, [](auto cmds) { cmds[0].setStats(); });
+  ASSERT_TRUE(reply);
+  auto st = net::openFrame(*reply, wire::Limits())->getRoot<wire::ServerFrame>().getResults()[0].getStats();
+  EXPECT_EQ(st.getSessionGraphRuns(), 20u);
+  EXPECT_EQ(st.getSessionRunsCancelled(), 0u);
   expectGoodSessionUnaffected();
 }
 
