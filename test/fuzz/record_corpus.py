@@ -96,6 +96,22 @@ x = torch.randn(64, 64).to(d); t = torch.randint(0, 1000, (32, 64)).to(d)
 h = torch.randn(40, 40).half().to(d); b = (torch.rand(90, 90) > 0.5).to(d)
 print((x @ x).sum().item(), t.sum().item(), h.float().mean().item(), b.sum().item())
 """,
+    "cancel": """
+import threading
+net = torch.nn.Linear(8, 8).to(d); opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+for _ in range(2):
+    net(torch.randn(4, 8, device=d)).square().mean().backward(); opt.step(); opt.zero_grad()
+y = torch.randn(600, 600, device=d)
+for _ in range(200):
+    y = y @ (torch.eye(600, device=d) * 0.5)
+net(torch.randn(4, 8, device=d)).square().mean().backward(); opt.step()
+threading.Timer(0.3, rgpu.cancel).start()
+try:
+    print(y.sum().item())
+except rgpu.Cancelled as e:
+    print("cancelled")
+print(net.weight.sum().item())
+""",
 }
 
 # Settings of a workload's client besides the defaults.
