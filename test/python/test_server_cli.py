@@ -22,6 +22,16 @@ def test_help_explains_every_flag():
         assert flag in r.stdout
 
 
+def test_the_readme_lists_every_flag_the_help_explains():
+    import re
+
+    flags = set(re.findall(r"^\s+(--[a-z0-9-]+)", run("--help").stdout, re.M))
+    assert len(flags) > 20
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
+        readme = f.read()
+    assert sorted(f for f in flags if f"`{f}" not in readme) == []
+
+
 def test_a_taken_port_is_an_error(server):
     r = run("--device", "cpu", "--port", str(server.port))
     assert r.returncode != 0
