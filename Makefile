@@ -31,11 +31,11 @@ $(VENV)/.stamp:
 	$(PY) -m pip install -q "$(TORCH_PIN)" numpy pytest expecttest cmake ninja setuptools safetensors transformers==5.24.0
 	touch $@
 
-# The training frameworks test_frameworks.py drives and the notebook kernel test_interrupt.py
-# drives (a venv made before them gets them too).
+# The training frameworks test_frameworks.py drives, the notebook kernel test_interrupt.py
+# drives and pytest's parallel runner (a venv made before them gets them too).
 $(VENV)/.test-packages: | $(VENV)/.stamp
 	$(PY) -m pip install -q "$(TORCH_PIN)" accelerate==1.16.0 lightning==2.6.6 ipykernel==7.4.0 \
-	  jupyter_client==8.10.0
+	  jupyter_client==8.10.0 pytest-xdist==3.8.0
 	touch $@
 
 venv: $(VENV)/.stamp $(VENV)/.test-packages
@@ -53,8 +53,9 @@ build: deps venv $(BUILD)/build.ninja
 test-cpp: build
 	cd $(BUILD) && ../$(VENV)/bin/ctest --output-on-failure
 
+# Two test processes: most tests wait on servers and subprocesses (20 min alone, 13 in two).
 test-python: build
-	$(PY) -m pytest -q test/python
+	$(PY) -m pytest -q -n 2 test/python
 
 # rgpu as pip installs it: `pip install .` and `pip wheel .` of a clean clone of this commit,
 # each into a fresh venv with only torch, then a training step from each (test/package).

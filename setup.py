@@ -74,9 +74,12 @@ class BuildWithCMake(build_py):
         if shutil.which("ccache"):
             configure.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
             env.setdefault("CCACHE_BASEDIR", str(ROOT))
-        # A folder configured for another package location or generator starts over.
+        # A folder configured with another generator starts over; one configured for another
+        # package location (`pip wheel` after `pip install`) is configured again: it keeps
+        # its objects and only links into the new place.
         cache = build / "CMakeCache.txt"
-        if cache.exists() and f"RGPU_PYTHON_DIR:PATH={package}\n" not in cache.read_text():
+        generator = "Ninja" if shutil.which("ninja") else "Unix Makefiles"
+        if cache.exists() and f"CMAKE_GENERATOR:INTERNAL={generator}\n" not in cache.read_text():
             shutil.rmtree(build)
         print(f"rgpu: building the native parts against torch {release} in {build}", flush=True)
         subprocess.run(configure, check=True, env=env)
