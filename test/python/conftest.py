@@ -4,6 +4,7 @@
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,11 @@ os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="rgpu-test-config-")
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="rgpu-test-run-")
 for _name in ("RGPU_TOKEN", "RGPU_TOKEN_FILE", "RGPU_OPSERVER"):
     os.environ.pop(_name, None)
+# A run started in the background of a shell without job control ignores SIGINT, and so would
+# every client the tests start (Python keeps an ignored SIGINT ignored): the tests of Ctrl-C
+# need the clients to take it as a terminal's Ctrl-C is taken.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def opserver_path():
