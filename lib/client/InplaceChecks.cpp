@@ -283,34 +283,44 @@ private:
 
 } // namespace
 
+void wrapFunctionalizeKernels(const FunctionalizeWrapper &wrap) {
+  // One library per caller: a registration outlives the process.
+  auto *lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::Functionalize,
+                                 __FILE__, __LINE__);
+  struct Silent : c10::WarningHandler {
+    void process(const c10::Warning &) override {}
+  } silent;
+  c10::WarningUtils::WarningHandlerGuard guard(&silent); // "overriding a kernel": the point
+  auto &dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName &name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0)
+      continue;
+    auto op = dispatcher.findOp(name);
+    if (!op || !op->hasSchema() ||
+        !op->hasComputedKernelForDispatchKey(c10::DispatchKey::Functionalize))
+      continue;
+    std::optional<torch::CppFunction> kernel =
+        wrap(op->schema(), op->getComputedKernelForDispatchKey(c10::DispatchKey::Functionalize));
+    if (!kernel)
+      continue;
+    std::string impl = name.name.substr(6);
+    if (!name.overload_name.empty())
+      impl += "." + name.overload_name;
+    lib->impl(impl.c_str(), std::move(*kernel));
+  }
+}
+
 void checkOutOps() {
   static std::once_flag once;
   std::call_once(once, [] {
-    static torch::Library *lib = new torch::Library(torch::Library::IMPL, "aten",
-                                                    c10::DispatchKey::Functionalize, __FILE__,
-                                                    __LINE__);
-    struct Silent : c10::WarningHandler {
-      void process(const c10::Warning &) override {}
-    } silent;
-    c10::WarningUtils::WarningHandlerGuard guard(&silent); // "overriding a kernel": the point
-    auto &dispatcher = c10::Dispatcher::singleton();
-    for (const c10::OperatorName &name : dispatcher.getAllOpNames()) {
-      if (name.name.rfind("aten::", 0) != 0)
-        continue;
-      auto op = dispatcher.findOp(name);
-      if (!op || !op->hasSchema() ||
-          !op->hasComputedKernelForDispatchKey(c10::DispatchKey::Functionalize))
-        continue;
-      const auto &args = op->schema().arguments();
+    wrapFunctionalizeKernels([](const c10::FunctionSchema &schema, c10::SafeKernelFunction kernel)
+                                 -> std::optional<torch::CppFunction> {
+      const auto &args = schema.arguments();
       if (std::none_of(args.begin(), args.end(), [](const c10::Argument &a) { return a.is_out(); }))
-        continue;
-      std::string impl = name.name.substr(6);
-      if (!name.overload_name.empty())
-        impl += "." + name.overload_name;
-      lib->impl(impl.c_str(),
-                torch::CppFunction::makeFromBoxedFunctor(std::make_unique<OutCheck>(
-                    op->getComputedKernelForDispatchKey(c10::DispatchKey::Functionalize))));
-    }
+        return std::nullopt;
+      return torch::CppFunction::makeFromBoxedFunctor(
+          std::make_unique<OutCheck>(std::move(kernel)));
+    });
   });
 }
 

@@ -1,10 +1,10 @@
 #include "rgpu/client/Versions.h"
+#include "rgpu/client/InplaceChecks.h"
 #include "rgpu/client/LazyTensor.h"
 
 #include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <llvm/ADT/SmallVector.h>
-#include <torch/library.h>
 
 #include <mutex>
 #include <utility>
@@ -72,36 +72,18 @@ private:
 void trackVersions() {
   static std::once_flag once;
   std::call_once(once, [] {
-    static torch::Library *lib = new torch::Library(torch::Library::IMPL, "aten",
-                                                    c10::DispatchKey::Functionalize, __FILE__,
-                                                    __LINE__);
-    struct Silent : c10::WarningHandler {
-      void process(const c10::Warning &) override {}
-    } silent;
-    c10::WarningUtils::WarningHandlerGuard guard(&silent); // "overriding a kernel": the point
-    auto &dispatcher = c10::Dispatcher::singleton();
-    for (const c10::OperatorName &name : dispatcher.getAllOpNames()) {
-      if (name.name.rfind("aten::", 0) != 0)
-        continue;
-      auto op = dispatcher.findOp(name);
-      if (!op || !op->hasSchema() ||
-          !op->hasComputedKernelForDispatchKey(c10::DispatchKey::Functionalize))
-        continue;
+    wrapFunctionalizeKernels([](const c10::FunctionSchema &schema, c10::SafeKernelFunction kernel)
+                                 -> std::optional<torch::CppFunction> {
       std::vector<size_t> written;
-      const auto &args = op->schema().arguments();
+      const auto &args = schema.arguments();
       for (size_t i = 0; i < args.size(); ++i)
         if (args[i].alias_info() && args[i].alias_info()->isWrite())
           written.push_back(i);
       if (written.empty())
-        continue;
-      std::string impl = name.name.substr(6);
-      if (!name.overload_name.empty())
-        impl += "." + name.overload_name;
-      lib->impl(impl.c_str(),
-                torch::CppFunction::makeFromBoxedFunctor(std::make_unique<VersionWatch>(
-                    op->getComputedKernelForDispatchKey(c10::DispatchKey::Functionalize),
-                    std::move(written))));
-    }
+        return std::nullopt;
+      return torch::CppFunction::makeFromBoxedFunctor(
+          std::make_unique<VersionWatch>(std::move(kernel), std::move(written)));
+    });
   });
 }
 

@@ -15,6 +15,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
 
 #include <functional>
 #include <optional>
@@ -64,6 +65,12 @@ InplaceLayout &inplaceLayout();
 /// twins (torch's meta kernels refuse unsafe casts), remembered per signature. Only calls whose
 /// out tensors are rgpu's are checked.
 void checkOutOps();
+
+/// For every aten op with a Functionalize kernel: \p wrap, given its schema and that kernel,
+/// returns a kernel to register there instead (which calls it), or none to leave it.
+using FunctionalizeWrapper = std::function<std::optional<torch::CppFunction>(
+    const c10::FunctionSchema &, c10::SafeKernelFunction)>;
+void wrapFunctionalizeKernels(const FunctionalizeWrapper &wrap);
 
 /// The same memo, and the check of writes through repeating tensors, in front of \p op's
 /// C++ Meta kernel (torch has no Python one for it), which then runs for new signatures.

@@ -1413,39 +1413,6 @@ double serverCpuSeconds() {
   return double(utime + stime) / double(sysconf(_SC_CLK_TCK));
 }
 
-TEST(Faults, AClosedSessionsQueuedRunsAreDropped) {
-  ir::TensorMeta m = ir::TensorMeta::contiguous(ir::dtype::Float, {1024, 1024});
-  ir::Graph g;
-  g.inputs = {m};
-  ir::Node n;
-  n.op = ir::Symbol::get("aten::mm");
-  n.operands = {0, 0};
-  n.args = {ir::Arg::ref(ir::Arg::Kind::Tensor, 0), ir::Arg::ref(ir::Arg::Kind::Tensor, 1)};
-  n.outputs = {m};
-  g.nodes.push_back(n);
-  g.outputs = {1};
-  {
-    Peer gone;
-    gone.hello();
-    std::vector<kj::byte> zeros(4u << 20);
-    ASSERT_TRUE(gone.send(true, 2, [&](auto cmds) {
-      uploadChunk(cmds[0], 60, m, 4u << 20, 0, kj::arrayPtr(zeros.data(), zeros.size()));
-      defineIn(cmds[1], g);
-    }, /*pack=*/false));
-    // Seconds of 1024x1024 matmuls in one frame, then the client is gone.
-    ASSERT_TRUE(gone.send(false, 2000, [&](auto cmds) {
-      for (auto c : cmds)
-        runIn(c, ir::hashGraph(g), {60}, 61, 1);
-    }));
-  }
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  double before = serverCpuSeconds();
-  std::this_thread::sleep_for(std::chrono::seconds(1));
-  double used = serverCpuSeconds() - before;
-  EXPECT_LT(used, 0.3) << "the server went on running a closed session's frame";
-  expectGoodSessionUnaffected();
-}
-
 /// Seconds of 1024x1024 matmuls: \p peer defines the graph and uploads its input (handle 60).
 ir::Graph matmulsIn(Peer &peer) {
   ir::TensorMeta m = ir::TensorMeta::contiguous(ir::dtype::Float, {1024, 1024});
@@ -1464,6 +1431,25 @@ ir::Graph matmulsIn(Peer &peer) {
     defineIn(cmds[1], g);
   }, /*pack=*/false));
   return g;
+}
+
+TEST(Faults, AClosedSessionsQueuedRunsAreDropped) {
+  {
+    Peer gone;
+    gone.hello();
+    ir::Graph g = matmulsIn(gone);
+    // Seconds of 1024x1024 matmuls in one frame, then the client is gone.
+    ASSERT_TRUE(gone.send(false, 2000, [&](auto cmds) {
+      for (auto c : cmds)
+        runIn(c, ir::hashGraph(g), {60}, 61, 1);
+    }));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  double before = serverCpuSeconds();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  double used = serverCpuSeconds() - before;
+  EXPECT_LT(used, 0.3) << "the server went on running a closed session's frame";
+  expectGoodSessionUnaffected();
 }
 
 TEST(Faults, ACancelStopsOnlyItsOwnSessionsEarlierFrames) {
