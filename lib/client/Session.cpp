@@ -573,7 +573,8 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
         break;
       }
   // The value \p node's output \p index is an alias of, if it is one (same layout).
-  auto aliased = [](TraceNode *node, uint32_t index) -> std::optional<std::pair<TraceNode *, uint32_t>> {
+  using Output = std::pair<TraceNode *, uint32_t>;
+  auto aliased = [](TraceNode *node, uint32_t index) -> std::optional<Output> {
     llvm::StringRef op = node->node.op.str();
     if ((op != "aten::detach_copy" && op != "aten::alias_copy") || node->inputs.size() != 1 ||
         !node->inputs[0].pending())
@@ -590,7 +591,7 @@ Session::CutOutputs Session::cut(const char *reason, const std::string &executor
         if (auto it = versions.find({o.node, o.index}); it != versions.end())
           versions.try_emplace(*source, it->second);
     for (size_t k = 0; k < outs.size(); ++k) {
-      std::optional<std::pair<TraceNode *, uint32_t>> at = std::make_pair(outs[k].node, outs[k].index);
+      std::optional<Output> at = Output{outs[k].node, outs[k].index};
       for (int hops = 0; at && hops < 4; ++hops, at = aliased(at->first, at->second))
         if (auto it = versions.find(*at); it != versions.end()) {
           restores_.insert(restores_.end(), {uint64_t(k), it->second});
@@ -1340,13 +1341,10 @@ Session::Reply Session::flush(bool wantReply) {
 
   ++stats.waits;
   auto start = std::chrono::steady_clock::now();
+  // Replies read here in a burst say nothing about when they came: they are not timed.
   const uint64_t cancelled = transport_.cancelledThrough();
-  net::Frame answer = [&] {
-    interrupts::Wait wait;
-    // Replies read here in a burst say nothing about when they came: they are not timed.
-    return transport_.receive(seq,
-                              [this](const net::Frame &f) { absorb(f, nullptr, 0, false); });
-  }();
+  net::Frame answer =
+      awaitFrame(seq, [this](const net::Frame &f) { absorb(f, nullptr, 0, false); }, true);
   auto waited = std::chrono::steady_clock::now() - start;
   diagnostics_.waited(site_, locationText(site_), ranInFrame,
                       std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count());
@@ -1605,11 +1603,8 @@ void Session::awaitReply(uint64_t seq, bool throttle) {
   std::vector<ir::Hash256> runs = it->runs;
   auto start = std::chrono::steady_clock::now();
   const uint64_t cancelled = transport_.cancelledThrough();
-  net::Frame frame = [&] {
-    interrupts::Wait wait;
-    return transport_.receive(
-        seq, [this](const net::Frame &f) { absorb(f, nullptr); }, /*spin=*/!throttle);
-  }();
+  net::Frame frame =
+      awaitFrame(seq, [this](const net::Frame &f) { absorb(f, nullptr); }, /*spin=*/!throttle);
   const uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                           std::chrono::steady_clock::now() - start).count();
   if (throttle) {
@@ -1622,6 +1617,13 @@ void Session::awaitReply(uint64_t seq, bool throttle) {
   absorb(frame, nullptr);
   if (transport_.cancelledThrough() != cancelled)
     interrupted();
+}
+
+net::Frame Session::awaitFrame(uint64_t seq,
+                               const std::function<void(const net::Frame &)> &earlier,
+                               bool spin) {
+  interrupts::Wait wait; // Ctrl-C now sends a Cancel (Interrupts.h)
+  return transport_.receive(seq, earlier, spin);
 }
 
 void Session::interrupted() {

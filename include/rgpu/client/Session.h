@@ -337,6 +337,9 @@ private:
   std::map<ir::Hash256, LastRun> lastRuns_;
   void encodeRunArgs(const Command &c, wire::Run::Builder r);
   static void encodeRestores(const std::vector<uint32_t> &restores, wire::Run::Builder r);
+  /// Transport::receive as a wait that Ctrl-C or rgpu.cancel() interrupts (Interrupts.h).
+  net::Frame awaitFrame(uint64_t seq, const std::function<void(const net::Frame &)> &earlier,
+                        bool spin);
   /// After a wait that sent a Cancel: raises ErrorKind::Interrupted.
   [[noreturn]] void interrupted();
   /// Per Download of a frame, the data whose value it brings, in what layout (null data: an
