@@ -19,9 +19,12 @@ using namespace rgpu;
 
 namespace {
 
+/// A torch name from the op-facts table, or None for a number it does not name.
+py::object torchName(const char *name) { return name ? py::object(py::str(name)) : py::none(); }
+
 py::dict metaDict(const ir::TensorMeta &m) {
   py::dict d;
-  d["dtype"] = int(m.dtype);
+  d["dtype"] = torchName(ir::dtype::torchName(m.dtype));
   d["sizes"] = std::vector<int64_t>(m.sizes.begin(), m.sizes.end());
   d["strides"] = std::vector<int64_t>(m.strides.begin(), m.strides.end());
   return d;
@@ -55,6 +58,31 @@ ir::ScalarValue scalarValue(py::handle o) {
     v.d = o.cast<double>();
   }
   return v;
+}
+
+const char *formName(ir::ScalarForm form) {
+  switch (form) {
+  case ir::ScalarForm::Scalar: return "scalar";
+  case ir::ScalarForm::WrappedNumber: return "wrapped_number";
+  case ir::ScalarForm::Tensor0d: return "tensor_0d";
+  case ir::ScalarForm::Generator: return "generator";
+  }
+  return "?";
+}
+
+/// The facts of the op-facts table the worker reads, by name.
+py::frozenset factNames(ir::OpFacts facts) {
+  static const std::pair<ir::OpFact, const char *> named[] = {
+      {ir::OpFact::OverwritesFirst, "overwrites_first"},
+      {ir::OpFact::RegionView, "region_view"},
+      {ir::OpFact::CopiesIntoFirst, "copies_into_first"},
+      {ir::OpFact::NeverDraws, "never_draws"},
+  };
+  py::set out;
+  for (const auto &[fact, name] : named)
+    if (facts.has(fact))
+      out.add(name);
+  return py::frozenset(out);
 }
 
 /// A size expression as (coef, offset, [symbol, ...]).
@@ -119,10 +147,11 @@ py::dict readJob(const std::string &path) {
       any |= next() != nullptr;
     d["dims"] = dims;
     d["symbolic"] = any;
+    d["contiguous"] = m.isContiguous();
     inputs.append(d);
   }
   for (const auto &s : g.scalars)
-    scalars.append(py::make_tuple(int(s.dtype), int(s.form)));
+    scalars.append(py::make_tuple(torchName(ir::dtype::torchName(s.dtype)), formName(s.form)));
   for (auto s : job.getScalars())
     values.append(scalarObject(wire::decodeScalar(s)));
   static const char *kinds[] = {"none", "bool", "int", "double", "str",
@@ -158,6 +187,7 @@ py::dict readJob(const std::string &path) {
     d["op"] = n.op.str().str();
     d["run_op"] = std::string(runOps[k].cStr());
     d["zero_fill"] = bool(zeroFill[k]);
+    d["facts"] = factNames(ir::opFacts(n.op.str()));
     d["args"] = args;
     d["outputs"] = outputs;
     nodes.append(d);
@@ -233,4 +263,23 @@ PYBIND11_MODULE(rgpu_compile_job, m) {
         "(output, input) pairs the package writes into an input instead of returning.");
   m.def("write_error", &writeError, py::arg("path"), py::arg("message"),
         "Writes a failed CompileResult with its reason.");
+  // How graphs number what schemas pass as ints (lib/ir/OpFacts.cpp): torch's names for them.
+  m.def("dtype_name", [](int64_t n) { return torchName(ir::dtype::torchName(int8_t(n) == n ? int8_t(n) : -1)); },
+        "The name in torch of the graph's dtype number (\"float32\"); None if graphs carry no such dtype.");
+  m.def("layout_name", [](int64_t n) { return torchName(ir::layout::torchName(n)); },
+        "The name in torch of a layout number graphs carry (\"strided\"); None otherwise.");
+  m.def("memory_format_name", [](int64_t n) { return torchName(ir::memory_format::torchName(n)); },
+        "The name in torch of a memory format number (\"channels_last\"); None otherwise.");
+  m.def("compiled_as_constant", [](const std::string &op, const std::string &arg) {
+          return ir::compiledAsConstant(op, arg);
+        }, py::arg("op"), py::arg("arg"),
+        "Whether Scalar argument `arg` of op `op` (\"aten::constant_pad_nd\") is compiled as a "
+        "constant: decompositions branch on it, or Inductor lowers it as a Python number.");
+  m.def("valid_dtypes", [] {
+          std::vector<int> out;
+          for (int n = 0; n < 128; ++n)
+            if (ir::dtype::isValid(int8_t(n)))
+              out.push_back(n);
+          return out;
+        }, "The dtype numbers graphs may carry (what the server's policy admits).");
 }

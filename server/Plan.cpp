@@ -17,7 +17,9 @@ namespace {
 /// The op a plan runs for \p name: the view that a functionalized `*_copy` op stands for (see
 /// bridge::viewOf), and reshape for view, which fails on layouts it cannot view without a copy.
 c10::OperatorHandle runnable(const c10::OperatorName &name, const c10::OperatorHandle &handle) {
-  if (name.name == "aten::view_copy" && name.overload_name.empty())
+  const std::string full = name.overload_name.empty() ? name.name
+                                                      : name.name + "." + name.overload_name;
+  if (ir::opFacts(full).has(ir::OpFact::RunsAsReshape))
     return *c10::Dispatcher::singleton().findSchema({"aten::reshape", ""});
   if (auto view = bridge::viewOf(name))
     return *view;
@@ -304,8 +306,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
                              [](const c10::Argument &a) {
                                return a.type()->str().find("Generator") != std::string::npos;
                              });
-  llvm::StringRef bare = base.drop_front(6); // after "aten::"
-  step.zeroFill = bare.startswith("empty") || bare.startswith("new_empty");
+  step.zeroFill = ir::opFacts(base).has(ir::OpFact::Uninitialized);
   step.zeroGrown = policy::growsStorage(base);
   step.op = runnable(name, *handle);
 
@@ -442,8 +443,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
       if (std::string e = checkView(step, step.consts, *metas_[n.operands[0]]); !e.empty())
         return e;
   }
-  if (base == "aten::native_layer_norm_backward" || base == "aten::native_batch_norm_backward" ||
-      base == "aten::batch_norm_backward") {
+  if (ir::opFacts(base).has(ir::OpFact::NormBackward)) {
     for (size_t i = 0; i < schema.arguments().size(); ++i) {
       const std::string &arg = schema.arguments()[i].name();
       if (arg == "input")

@@ -33,18 +33,16 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rgpu_compile_job  # noqa: E402  (next to this file)
 
-# c10::ScalarType numbers, which is how graphs name dtypes.
-DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-          torch.float32, torch.float64, torch.complex32, torch.complex64, torch.complex128,
-          torch.bool, torch.qint8, torch.quint8, torch.qint32, torch.bfloat16]
-LAYOUTS = [torch.strided, torch.sparse_coo]
-MEMORY_FORMATS = [torch.contiguous_format, torch.preserve_format, torch.channels_last,
-                  torch.channels_last_3d]
-SCALAR_FORM, WRAPPED_NUMBER, TENSOR_0D = 0, 1, 2
-
-
 class Unsupported(Exception):
     """The graph holds something this compiler does not take; it stays on the plan executor."""
+
+
+def torch_attribute(kind, name):
+    """The torch dtype, layout or memory format a graph's number names (rgpu_compile_job reads
+    the op-facts table); Unsupported where rgpu names none."""
+    if name is None:
+        raise Unsupported(f"a {kind} number rgpu does not name")
+    return getattr(torch, name)
 
 
 def resolve(name):
@@ -80,10 +78,7 @@ class Interpreter:
         self.steps = []
         for node in graph["nodes"]:
             op = resolve(node["run_op"])
-            # CPU's fused attention kernel is tagged for its dropout but refuses any (as
-            # rgpu::bridge::drawsRandom says).
-            if torch.Tag.nondeterministic_seeded in op.tags and \
-                    op is not torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            if torch.Tag.nondeterministic_seeded in op.tags and "never_draws" not in node["facts"]:
                 raise Unsupported(f"{node['op']} draws random numbers from the session's generator")
             self.steps.append((op, node))
 
@@ -94,11 +89,12 @@ class Interpreter:
             return bool(value)
         if kind == "int":
             if type_kind == "ScalarType":
-                return DTYPES[value]
+                return torch_attribute("dtype", rgpu_compile_job.dtype_name(value))
             if type_kind == "Layout":
-                return LAYOUTS[value]
+                return torch_attribute("layout", rgpu_compile_job.layout_name(value))
             if type_kind == "MemoryFormat":
-                return MEMORY_FORMATS[value]
+                return torch_attribute("memory format",
+                                       rgpu_compile_job.memory_format_name(value))
             return value
         if kind == "symint":
             _, coef, offset, factors = value
@@ -173,7 +169,7 @@ class Interpreter:
         for slot, ((dtype, form), t) in enumerate(zip(g["scalars"], args[len(g["inputs"]):])):
             # A Python number in a Scalar or wrapped-number position keeps its promotion rules
             # as an unbacked symbolic number; a real 0-dim tensor stays a tensor.
-            if form == TENSOR_0D:
+            if form == "tensor_0d":
                 scalars.append(t)
             elif slot in self.specialized:
                 scalars.append(self.values[slot])
@@ -206,22 +202,15 @@ class _Module(torch.nn.Module):
         return tuple(t for o, t in enumerate(outs) if o not in self.writes)
 
 
-# Ops whose result is their first argument with a region replaced by values that do not depend
-# on what the region held: run again on their own result, they give the same result.
-OVERWRITES_FIRST = {"aten::slice_scatter", "aten::select_scatter", "aten::diagonal_scatter",
-                    "aten::index_copy"}
-# A view of the region a write replaces, which functionalization reads only for its layout (as
-# `self` of aten::copy, whose result is `src`'s values).
-REGION_VIEWS = {"aten::slice_copy.Tensor", "aten::select_copy.int"}
-
-
 def written_inputs(graph):
     """[(output, input)]: graph outputs the package writes into the buffer of a graph input
     instead of a new one (a static KV cache's `cache[:, :, i:i + 1] = k` is a slice_scatter of
     the whole cache). The server hands the package an input's own buffer when the client has
     released it and nothing else holds it, else a copy. Only an input read by nothing but the
-    OVERWRITES_FIRST op that makes the output (as its first argument, with the input's layout)
-    and REGION_VIEWS whose values nobody reads: if a compiled run fails after writing, the
+    op that makes the output and overwrites its first argument (as that argument, with the
+    input's layout; the op-facts table's "overwrites_first") and views of the region it
+    replaces read only for their layout by a copy into them ("region_view", read by a
+    "copies_into_first" op as its first argument): if a compiled run fails after writing, the
     server's rerun on the plan reads the written buffer and still computes the same outputs."""
     n_inputs = len(graph["inputs"])
     uses = {}  # value -> [(node, argument position)], a graph output as (None, -1)
@@ -238,15 +227,15 @@ def written_inputs(graph):
         uses.setdefault(v, []).append((None, -1))
 
     def layout_only(node):
-        return node["op"] in REGION_VIEWS and all(
-            user is not None and user["op"] == "aten::copy" and pos == 0
+        return "region_view" in node["facts"] and all(
+            user is not None and "copies_into_first" in user["facts"] and pos == 0
             for v in outputs_of[id(node)] for user, pos in uses.get(v, []))
 
     layout = ("sizes", "strides", "dtype")
     writes = []
     for o, v in enumerate(graph["outputs"]):
         node = made_by.get(v)
-        if node is None or node["op"] not in OVERWRITES_FIRST or len(node["outputs"]) != 1 or \
+        if node is None or "overwrites_first" not in node["facts"] or len(node["outputs"]) != 1 or \
                 graph["outputs"].count(v) != 1:
             continue
         kind, i = node["args"][0]
@@ -291,7 +280,7 @@ def dynamic_shapes(graph):
                 raise Unsupported(f"{node['op']} has an argument of a size no input has")
     spec = []
     for m in graph["inputs"]:
-        if m["symbolic"] and m["strides"] != contiguous_strides(m["sizes"]):
+        if m["symbolic"] and not m["contiguous"]:
             raise Unsupported("an input whose layout follows the sizes is not contiguous")
         for e in m["dims"]:
             if e is not None and not (e[0] == 1 and e[1] == 0 and len(e[2]) == 1):
@@ -357,48 +346,36 @@ def symbol_ranges(graph, exported):
     return sorted(out), relations
 
 
-def contiguous_strides(sizes):
-    out, step = [], 1
-    for s in reversed(sizes):
-        out.append(step)
-        step *= max(s, 1)
-    return out[::-1]
-
-
 def example_inputs(graph, device):
     """Tensors with the graph's input layouts, and one 0-dim tensor per scalar slot."""
     out = []
     for m in graph["inputs"]:
-        out.append(torch.empty_strided(m["sizes"], m["strides"], dtype=DTYPES[m["dtype"]],
+        dtype = torch_attribute("dtype", m["dtype"])
+        out.append(torch.empty_strided(m["sizes"], m["strides"], dtype=dtype,
                                        device=device).zero_())
     for dtype, _form in graph["scalars"]:
-        out.append(torch.zeros((), dtype=DTYPES[dtype], device="cpu"))
+        out.append(torch.zeros((), dtype=torch_attribute("dtype", dtype), device="cpu"))
     return tuple(out)
 
 
-# Scalar arguments that decompositions commonly branch on (`beta == 0`, `alpha == 1`); they are
-# compiled as constants from the start rather than discovered one failed export at a time.
-BRANCHY_ARGS = {"alpha", "beta"}
-# Scalar arguments that Inductor's lowerings turn into Python numbers, which a symbol cannot be
-# (a pad's fill value, as F.pad(x, (0, 1), value=v) gives it).
-LOWERED_AS_NUMBERS = {"aten::constant_pad_nd": {"value"}}
 MAX_EXPORTS = 16
 
 
 def constant_slots(graph):
-    """The scalar slots compiled as constants from the start: BRANCHY_ARGS, LOWERED_AS_NUMBERS,
-    and every Python bool, which Inductor's lowerings take only as a constant (a scatter's
+    """The scalar slots compiled as constants from the start: those of arguments the op-facts
+    table says decompositions branch on or Inductor lowers as Python numbers, and every Python
+    bool, which Inductor's lowerings take only as a constant (a scatter's
     value, say); a bool has two values, so a graph needs at most the plan for the other one."""
     slots = {slot for slot, (dtype, form) in enumerate(graph["scalars"])
-             if DTYPES[dtype] is torch.bool and form != TENSOR_0D}
+             if dtype == "bool" and form != "tensor_0d"}
     for node in graph["nodes"]:
         op = resolve(node["run_op"])
-        numbers = LOWERED_AS_NUMBERS.get(op._schema.name, ())
         at = 0
         for schema_arg in op._schema.arguments:
             kind, value = node["args"][at]
             at += 1 + (value if kind == "list" else 0)
-            if kind == "scalar" and (schema_arg.name in BRANCHY_ARGS or schema_arg.name in numbers):
+            if kind == "scalar" and rgpu_compile_job.compiled_as_constant(op._schema.name,
+                                                                          schema_arg.name):
                 slots.add(value)
     return slots
 

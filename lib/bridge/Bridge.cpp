@@ -65,14 +65,12 @@ ir::Arg::Kind constantKind(ArgType t) {
 }
 
 bool isStridedView(llvm::StringRef base) {
-  return base == "aten::as_strided" || base == "aten::as_strided_copy" ||
-         base == "aten::as_strided_scatter" || base == "aten::_reshape_alias" ||
-         base == "aten::_reshape_alias_copy";
+  return ir::opFacts(base).has(ir::OpFact::StridedView);
 }
 
 bool drawsRandom(const c10::OperatorHandle &op) {
   return op.hasTag(at::Tag::nondeterministic_seeded) &&
-         op.operator_name().name != "aten::_scaled_dot_product_flash_attention_for_cpu";
+         !ir::opFacts(op.operator_name().name).has(ir::OpFact::NeverDraws);
 }
 
 std::optional<c10::OperatorHandle> viewOf(const c10::OperatorName &copyOp) {

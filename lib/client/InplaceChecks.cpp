@@ -1,5 +1,6 @@
 #include "rgpu/client/InplaceChecks.h"
 #include "rgpu/client/LazyTensor.h"
+#include "rgpu/ir/OpFacts.h"
 
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
@@ -102,9 +103,8 @@ void refuseWritesThroughOverlap(const c10::OperatorHandle &op, const c10::IValue
   if (!t.defined() || at::has_internal_overlap(t) != at::MemOverlap::Yes)
     return;
   const std::string &name = op.operator_name().name;
-  for (const char *accepted : {"aten::fill_", "aten::zero_", "aten::tril_", "aten::triu_",
-                               "aten::conj_physical_", "aten::masked_fill_", "aten::index_fill_"})
-    TORCH_CHECK(name != accepted, "rgpu: ", name, " writes through a tensor whose "
+  TORCH_CHECK(!ir::opFacts(name).has(ir::OpFact::WritesThroughOverlap), "rgpu: ", name,
+              " writes through a tensor whose "
                 "elements share memory (an expand()), which rgpu cannot do as CPU eager does; "
                 "write to the tensor it expands, or clone() it first");
   at::assert_no_internal_overlap(t);

@@ -1,8 +1,8 @@
 #include "rgpu/client/KnownValues.h"
+#include "rgpu/ir/OpFacts.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <llvm/ADT/StringMap.h>
 
 namespace rgpu::client {
 
@@ -14,29 +14,12 @@ enum class Exact {
   IntegerResult, ///< the same result wherever it is an integer or boolean one
 };
 
+/// How exactly \p name's result follows from known inputs (the op-facts table says).
 Exact exactness(llvm::StringRef name) {
-  static const llvm::StringMap<Exact> table = [] {
-    llvm::StringMap<Exact> t;
-    for (const char *op :
-         {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "select",
-          "slice", "permute", "t", "transpose", "alias", "view_copy", "unsqueeze_copy",
-          "squeeze_copy", "expand_copy", "select_copy", "slice_copy", "permute_copy", "t_copy",
-          "transpose_copy", "alias_copy", "clone", "lift_fresh", "lift_fresh_copy", "cat",
-          "stack", "flip", "_to_copy", "index_select", "gather", "index", "constant_pad_nd"})
-      t[std::string("aten::") + op] = Exact::Bytes;
-    for (const char *op :
-         {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
-          "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "any",
-          "all", "isin", "add", "sub", "mul", "neg", "abs", "where", "maximum", "minimum",
-          "max", "min", "amax", "amin", "sum", "cumsum", "masked_fill", "ones", "zeros",
-          "full", "scalar_tensor", "ones_like", "zeros_like", "full_like", "new_ones",
-          "new_zeros", "new_full", "arange", "fill",
-          "argmax", "argmin", "remainder"})
-      t[std::string("aten::") + op] = Exact::IntegerResult;
-    return t;
-  }();
-  auto it = table.find(name);
-  return it == table.end() ? Exact::No : it->second;
+  const ir::OpFacts facts = ir::opFacts(name);
+  if (facts.has(ir::OpFact::ExactBytes))
+    return Exact::Bytes;
+  return facts.has(ir::OpFact::ExactOnIntegers) ? Exact::IntegerResult : Exact::No;
 }
 
 /// The value of rgpu tensor \p t, if known, in \p t's own layout.
@@ -119,7 +102,7 @@ void computeKnown(const c10::OperatorHandle &op, c10::ArrayRef<c10::IValue> args
     return;
   // A float out of an integer type's range converts to whatever the device's instruction
   // gives: not the same everywhere.
-  if (op.operator_name().name == "aten::_to_copy" && !args.empty() && args[0].isTensor() &&
+  if (ir::specialOp(op.operator_name().name) == ir::SpecialOp::ToCopy && !args.empty() && args[0].isTensor() &&
       args[0].toTensor().is_floating_point() && !node.node.outputs.empty() &&
       c10::isIntegralType(static_cast<c10::ScalarType>(node.node.outputs[0].dtype), true))
     return;

@@ -57,48 +57,6 @@ std::pair<StringRef, StringRef> splitOpName(StringRef name) {
   return {name.substr(0, dot), name.substr(dot + 1)};
 }
 
-namespace dtype {
-std::string name(int8_t d) {
-  switch (d) {
-  case Byte: return "u8";
-  case Char: return "i8";
-  case Short: return "i16";
-  case Int: return "i32";
-  case Long: return "i64";
-  case Half: return "f16";
-  case Float: return "f32";
-  case Double: return "f64";
-  case ComplexHalf: return "c32";
-  case ComplexFloat: return "c64";
-  case ComplexDouble: return "c128";
-  case Bool: return "b8";
-  case BFloat16: return "bf16";
-  case Float8_e5m2: return "f8e5m2";
-  case Float8_e4m3fn: return "f8e4m3fn";
-  case Float8_e5m2fnuz: return "f8e5m2fnuz";
-  case Float8_e4m3fnuz: return "f8e4m3fnuz";
-  case UInt16: return "u16";
-  case UInt32: return "u32";
-  case UInt64: return "u64";
-  case Float8_e8m0fnu: return "f8e8m0fnu";
-  case Undefined: return "undefined";
-  default: return "dtype<" + std::to_string(int(d)) + ">";
-  }
-}
-unsigned itemSize(int8_t d) {
-  switch (d) {
-  case Byte: case Char: case Bool: return 1;
-  case Float8_e5m2: case Float8_e4m3fn: case Float8_e5m2fnuz: case Float8_e4m3fnuz:
-  case Float8_e8m0fnu: return 1;
-  case Short: case Half: case BFloat16: case UInt16: return 2;
-  case Int: case Float: case ComplexHalf: case UInt32: return 4;
-  case Long: case Double: case ComplexFloat: case UInt64: return 8;
-  case ComplexDouble: return 16;
-  default: return 0; // quantized, bit-packed and sub-byte types are not carried
-  }
-}
-bool isValid(int8_t d) { return itemSize(d) != 0; }
-} // namespace dtype
 
 TensorMeta TensorMeta::contiguous(int8_t dtype, ArrayRef<int64_t> sizes) {
   TensorMeta m;
@@ -121,6 +79,20 @@ int64_t TensorMeta::numel() const {
     if (s < 0 || __builtin_mul_overflow(n, s, &n))
       return -1;
   return n;
+}
+
+bool TensorMeta::isContiguous() const {
+  if (numel() == 0)
+    return true;
+  int64_t expected = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    if (sizes[i] == 1)
+      continue;
+    if (i >= strides.size() || strides[i] != expected)
+      return false;
+    expected *= sizes[i];
+  }
+  return true;
 }
 
 int64_t TensorMeta::storageBytes() const {

@@ -12,6 +12,9 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 git clone -q "$root" "$work/src"
+# Paths under $work are rewritten relative to it for ccache (the clone's and the venvs' alike),
+# so a second run on one machine compiles nothing that the first one compiled.
+export CCACHE_BASEDIR="$work"
 for venv in installed wheel; do
   "$python" -m venv "$work/$venv"
   "$work/$venv/bin/pip" install -q "$torch_pin"

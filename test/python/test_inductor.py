@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import List
 
 import pytest
 from conftest import REPO, Server, run_client, wait_for_log
@@ -328,6 +329,38 @@ def test_compiled_cache_writes_go_into_the_released_cache_and_match_cpu(tmp_path
         assert out[how]["compiled_runs"] >= 15, out
     assert out["slice"]["writes_in_place"] >= 10 and out["index"]["writes_in_place"] >= 10, out
     assert out["read-old"]["writes_in_place"] == 0, out
+
+
+def test_every_dtype_the_policy_admits_reaches_the_compile_worker_as_its_torch_dtype():
+    # The worker names dtypes, layouts and memory formats through rgpu_compile_job, which reads
+    # the op-facts table; TorchScript gives the number torch itself uses for each.
+    sys.path.insert(0, os.path.join(REPO, "python", "rgpu", "bin"))
+    import rgpu_compile_job
+    import torch
+
+    @torch.jit.script
+    def number(x: torch.Tensor) -> int:
+        return x.dtype
+
+    @torch.jit.script
+    def memory_formats() -> List[int]:
+        return [torch.contiguous_format, torch.preserve_format, torch.channels_last,
+                torch.channels_last_3d]
+
+    admitted = rgpu_compile_job.valid_dtypes()
+    assert {27, 28, 29, 23, 24, 44, 15, 8} <= set(admitted)  # unsigned, float8, bf16, complex32
+    for n in admitted:
+        dtype = getattr(torch, rgpu_compile_job.dtype_name(n))
+        assert number(torch.empty(0, dtype=dtype)) == n, (n, dtype)
+    for n in set(range(64)) - set(admitted):
+        assert rgpu_compile_job.dtype_name(n) is None, n
+    assert rgpu_compile_job.layout_name(0) == "strided" and rgpu_compile_job.layout_name(1) is None
+    for n, value in enumerate(memory_formats()):
+        assert value == n and rgpu_compile_job.memory_format_name(n) is not None
+    assert rgpu_compile_job.memory_format_name(len(memory_formats())) is None
+    assert rgpu_compile_job.compiled_as_constant("aten::constant_pad_nd", "value")
+    assert rgpu_compile_job.compiled_as_constant("aten::addmm", "beta")
+    assert not rgpu_compile_job.compiled_as_constant("aten::add", "other")
 
 
 def test_a_spec_naming_writes_the_graph_cannot_have_is_compiled_again(tmp_path):

@@ -61,8 +61,7 @@ ir::Arg::Kind constantKind(ArgType t);
 bool isStridedView(llvm::StringRef base);
 
 /// Whether \p op draws from a random generator: torch tags such ops nondeterministic_seeded.
-/// CPU's fused attention kernel carries the tag for its dropout argument but refuses any
-/// dropout, so it never draws.
+/// Ops the op-facts table lists as NeverDraws carry the tag and never draw.
 bool drawsRandom(const c10::OperatorHandle &op);
 
 /// The view op that a functionalized `*_copy` op (`transpose_copy.int`) stands for, when one

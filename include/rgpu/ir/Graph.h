@@ -10,6 +10,8 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "rgpu/ir/OpFacts.h"
+
 #include <llvm/ADT/ArrayRef.h>
 #include <llvm/ADT/SmallVector.h>
 #include <llvm/ADT/StringRef.h>
@@ -44,22 +46,6 @@ private:
 /// Splits "aten::add.Tensor" into {"aten::add", "Tensor"}; the overload is empty if absent.
 std::pair<llvm::StringRef, llvm::StringRef> splitOpName(llvm::StringRef name);
 
-/// c10::ScalarType numbers for the dtypes rgpu names; any valid ScalarType may appear.
-namespace dtype {
-constexpr int8_t Byte = 0, Char = 1, Short = 2, Int = 3, Long = 4, Half = 5, Float = 6,
-                 Double = 7, ComplexHalf = 8, ComplexFloat = 9, ComplexDouble = 10, Bool = 11,
-                 BFloat16 = 15, Float8_e5m2 = 23, Float8_e4m3fn = 24, Float8_e5m2fnuz = 25,
-                 Float8_e4m3fnuz = 26, UInt16 = 27, UInt32 = 28, UInt64 = 29,
-                 Float8_e8m0fnu = 44;
-/// The dtype of a node output that is an undefined tensor (e.g. a gradient not asked for).
-constexpr int8_t Undefined = -1;
-/// Short name used in dumps: "f32", "i64", "bf16"; "dtype<N>" for the rest.
-std::string name(int8_t dtype);
-/// Bytes per element, or 0 if unknown.
-unsigned itemSize(int8_t dtype);
-/// True for dtypes a graph may carry (the numeric and bool ScalarTypes).
-bool isValid(int8_t dtype);
-} // namespace dtype
 
 /// Dtype, sizes and strides of a tensor value. The storage offset is always 0: every value the
 /// graph sees is a whole tensor (views are functionalized into *_copy ops).
@@ -75,6 +61,9 @@ struct TensorMeta {
   /// Bytes the strided layout spans (0 for an empty tensor); -1 if a size or stride is negative
   /// or the span overflows int64, so a peer's meta can never wrap a bounds check.
   int64_t storageBytes() const;
+  /// Whether the layout is row-major, as torch's is_contiguous() says: the strides of size-1
+  /// dimensions do not matter, and an empty tensor is contiguous.
+  bool isContiguous() const;
   bool operator==(const TensorMeta &o) const {
     return dtype == o.dtype && sizes == o.sizes && strides == o.strides;
   }
