@@ -18,6 +18,7 @@
 #include "rgpu/client/Session.h"
 #include "rgpu/bridge/Bridge.h"
 #include "rgpu/ir/Bytes.h"
+#include "rgpu/wire/Wire.h"
 
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
@@ -1359,7 +1360,7 @@ struct NoAllocator final : c10::DeviceAllocator {
   }
   void recordStream(const c10::DataPtr &, c10::Stream) override {}
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
-    Session::DeviceMemory m = Session::get().deviceMemory(device < 0 ? tlsDevice : device);
+    DeviceMemory m = Session::get().deviceMemory(device < 0 ? tlsDevice : device);
     c10::CachingDeviceAllocator::DeviceStats stats;
     auto &allocated = stats.allocated_bytes[size_t(c10::CachingAllocator::StatType::AGGREGATE)];
     allocated.current = int64_t(m.allocated);
@@ -1374,7 +1375,7 @@ struct NoAllocator final : c10::DeviceAllocator {
     Session::get().deviceMemory(device < 0 ? tlsDevice : device, true);
   }
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
-    Session::DeviceMemory m = Session::get().deviceMemory(device < 0 ? tlsDevice : device);
+    DeviceMemory m = Session::get().deviceMemory(device < 0 ? tlsDevice : device);
     return {size_t(m.free), size_t(m.total)};
   }
 };
