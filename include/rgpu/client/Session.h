@@ -30,7 +30,7 @@ struct Stats {
       readsRemembered{0}, uploadBytesSaved{0};
 };
 
-/// Returns the id of the user's current source line (see Session::location); set by Python.
+/// Returns the id of the user's current source line (Session::currentLocation); set by Python.
 using LocationProvider = uint32_t (*)();
 void setLocationProvider(LocationProvider provider);
 
