@@ -14,12 +14,12 @@ RgpuGenerator::RgpuGenerator(c10::DeviceIndex device, uint64_t id, uint64_t seed
       id_(id), seed_(seed) {}
 
 at::Generator RgpuGenerator::make(c10::DeviceIndex device, uint64_t seed) {
-  uint64_t id = Session::get().newGenerator(device, wire::GeneratorRequest::CREATE, seed);
+  uint64_t id = Session::get().newGenerator(device, NewGenerator::Seeded, seed);
   return at::make_generator<RgpuGenerator>(device, id, seed);
 }
 
 at::Generator RgpuGenerator::snapshot(c10::DeviceIndex device) {
-  uint64_t id = Session::get().newGenerator(device, wire::GeneratorRequest::SNAPSHOT);
+  uint64_t id = Session::get().newGenerator(device, NewGenerator::Snapshot);
   return at::make_generator<RgpuGenerator>(device, id, uint64_t(0));
 }
 
@@ -56,7 +56,7 @@ void RgpuGenerator::set_state(const c10::TensorImpl &state) {
 }
 
 c10::intrusive_ptr<c10::TensorImpl> RgpuGenerator::get_state() const {
-  Session::RngState s = Session::get().rngState(device_.index(), id_);
+  RngState s = Session::get().rngState(device_.index(), id_);
   at::Tensor out = at::empty({int64_t(s.state.size())}, at::kByte);
   std::memcpy(out.data_ptr(), s.state.data(), s.state.size());
   return out.getIntrusivePtr();
@@ -64,7 +64,7 @@ c10::intrusive_ptr<c10::TensorImpl> RgpuGenerator::get_state() const {
 
 RgpuGenerator *RgpuGenerator::clone_impl() const {
   // In the state this one is in after the ops traced so far.
-  uint64_t id = Session::get().newGenerator(device_.index(), wire::GeneratorRequest::CLONE_OF, id_);
+  uint64_t id = Session::get().newGenerator(device_.index(), NewGenerator::CloneOf, id_);
   return new RgpuGenerator(device_.index(), id, seed_);
 }
 

@@ -13,7 +13,7 @@ TraceKey readTrace(llvm::ArrayRef<TraceNode *> nodes,
   llvm::DenseMap<const TraceNode *, uint32_t> index;
   llvm::DenseMap<const DeviceData *, uint32_t> inputIds;
   index.reserve(nodes.size());
-  // Inputs first, by first use, as Session::buildGraph numbers them; their positions come first.
+  // Inputs first, by first use, as GraphCutter::buildGraph numbers them; their positions come first.
   for (const TraceNode *n : nodes)
     for (const Value &v : n->inputs)
       if (!v.pending() && inputIds.try_emplace(v.data.get(), uint32_t(key.inputs.size())).second) {

@@ -1,8 +1,9 @@
-#include "rgpu/client/Transport.h"
-#include "rgpu/client/Session.h"
-#include "rgpu/net/Auth.h"
+#include "Transport.h"
 
 #include "rgpu/bridge/Bridge.h"
+#include "rgpu/client/Errors.h"
+#include "rgpu/ir/Error.h"
+#include "rgpu/net/Auth.h"
 
 #include <algorithm>
 #include <atomic>
@@ -43,28 +44,26 @@ std::string seconds(double s) {
   return buf;
 }
 
-/// The token for a TCP server and where it came from: RGPU_TOKEN, else the file named by
-/// RGPU_TOKEN_FILE, else the default token file. \p why says what was looked at when none is
-/// found (or the file is unusable).
-bool findToken(std::string &token, std::string &source, std::string &why) {
-  if (const char *t = std::getenv("RGPU_TOKEN"); t && *t) {
-    token = t;
-    source = "RGPU_TOKEN";
-    return true;
-  }
-  const char *file = std::getenv("RGPU_TOKEN_FILE");
-  std::string path = file && *file ? file : net::auth::defaultTokenPath();
-  source = (file && *file ? "RGPU_TOKEN_FILE=" : "the token file ") + path;
-  if (!file && ::access(path.c_str(), F_OK) != 0) {
-    why = "RGPU_TOKEN and RGPU_TOKEN_FILE are unset, and " + path + " does not exist";
-    return false;
-  }
+/// A token for a TCP server, and where it came from.
+struct Token {
+  std::string value, source;
+};
+
+/// The token for a TCP server: RGPU_TOKEN, else the file named by RGPU_TOKEN_FILE, else the
+/// default token file. A failure says what was looked at (or why the file is unusable).
+llvm::Expected<Token> findToken(const ConnectionOptions &options) {
+  if (!options.token.empty())
+    return Token{options.token, "RGPU_TOKEN"};
+  const bool named = !options.tokenFile.empty();
+  const std::string path = named ? options.tokenFile : net::auth::defaultTokenPath();
+  Token token;
+  token.source = (named ? "RGPU_TOKEN_FILE=" : "the token file ") + path;
+  if (!named && ::access(path.c_str(), F_OK) != 0)
+    return failure("RGPU_TOKEN and RGPU_TOKEN_FILE are unset, and " + path + " does not exist");
   std::string error;
-  if (!net::auth::readToken(path, token, error)) {
-    why = error;
-    return false;
-  }
-  return true;
+  if (!net::auth::readToken(path, token.value, error))
+    return failure(error);
+  return token;
 }
 
 const char *kTokenHelp =
@@ -72,10 +71,18 @@ const char *kTokenHelp =
     "on its host); copy that file here (mode 0600) or set RGPU_TOKEN to its contents, or use "
     "`rgpu-run --host`, which reaches the server's own socket over ssh and needs no token";
 
-int reconnectSeconds() {
-  const char *v = std::getenv("RGPU_RECONNECT_SECONDS");
-  return v && *v ? std::max(1, std::atoi(v)) : 60;
-}
+/// A server that answered the Hello and will not resume the session: retrying cannot help.
+class NotResumed : public llvm::ErrorInfo<NotResumed> {
+public:
+  static char ID;
+  explicit NotResumed(std::string why) : why_(std::move(why)) {}
+  void log(llvm::raw_ostream &os) const override { os << why_; }
+  std::error_code convertToErrorCode() const override { return llvm::inconvertibleErrorCode(); }
+
+private:
+  std::string why_;
+};
+char NotResumed::ID;
 
 } // namespace
 
@@ -84,11 +91,11 @@ Transport::Transport(std::function<void(int, const std::string &)> log) : log_(s
 std::string Transport::address() const {
   if (!wanted_.empty())
     return wanted_;
-  const char *env = std::getenv("RGPU_OPSERVER");
-  return env && *env ? env : "unix:" + net::auth::defaultSocketPath();
+  std::string server = ConnectionOptions::fromEnvironment().server;
+  return !server.empty() ? server : "unix:" + net::auth::defaultSocketPath();
 }
 
-std::string Transport::failed() const {
+std::string Transport::connectionFailure() const {
   const std::string &why = socket_.error();
   return why.empty() ? "the connection failed" : "the connection failed: " + why;
 }
@@ -123,38 +130,41 @@ void Transport::leaveInherited() {
                   "CUDA), or call rgpu.reset() here to start this process's own session";
 }
 
-bool Transport::open(std::string &error, int timeoutMs) {
+llvm::Error Transport::open(int timeoutMs) {
   forksAtOpen_ = gForks.load(std::memory_order_relaxed);
   decoder_ = std::make_unique<net::FrameDecoder>(limits_.maxFrameBytes);
+  std::string error;
   if (!tcp_)
-    return socket_.connectUnix(endpoint_.path, error);
-  if (!socket_.connect(endpoint_.host, endpoint_.port, error, reconnectSeconds_, timeoutMs))
-    return false;
+    return socket_.connectUnix(endpoint_.path, error) ? llvm::Error::success() : failure(error);
+  if (!socket_.connect(endpoint_.host, endpoint_.port, error, options_.reconnectSeconds,
+                       timeoutMs))
+    return failure(error);
   socket_.readFramesExactly(); // until the Hello's keys seal the rest
-  return true;
+  return llvm::Error::success();
 }
 
 void Transport::connect() {
   leaveInherited();
   if (lost())
     raise(ErrorKind::SessionLost, lostReason_);
-  address_ = address();
-  reconnectSeconds_ = reconnectSeconds();
+  options_ = ConnectionOptions::fromEnvironment();
+  address_ = !wanted_.empty()          ? wanted_
+             : !options_.server.empty() ? options_.server
+                                        : "unix:" + net::auth::defaultSocketPath();
   if (!net::parseEndpoint(address_, endpoint_))
     raise(ErrorKind::SessionLost,
           "RGPU_OPSERVER='" + address_ + "' is neither host:port (e.g. 127.0.0.1:9720) nor "
           "unix:PATH (e.g. unix:" + net::auth::defaultSocketPath() + ")");
   tcp_ = !endpoint_.isUnix();
-  std::string error;
-  if (!open(error, reconnectSeconds_ * 1000))
+  if (llvm::Error error = open(options_.reconnectSeconds * 1000))
     raise(ErrorKind::SessionLost,
-          "cannot reach rgpu-opserver at " + address_ + " (" + error + "). " +
+          "cannot reach rgpu-opserver at " + address_ + " (" + message(std::move(error)) + "). " +
               (tcp_ ? "Start one with `rgpu-opserver --port " + std::to_string(endpoint_.port) +
                           "` on the GPU host, or"
                     : std::string("Start `rgpu-opserver` on this machine, or")) +
               " point RGPU_OPSERVER at one (see `rgpu-run --help`).");
-  if (handshake(false, 60000, error) != Hello::Resumed)
-    lose(error);
+  if (llvm::Error error = handshake(false, 60000))
+    lose(message(std::move(error)));
 }
 
 net::Frame Transport::receiveHandshake(int timeoutMs, bool &ok) {
@@ -170,17 +180,17 @@ net::Frame Transport::receiveHandshake(int timeoutMs, bool &ok) {
   }
 }
 
-Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &why) {
+llvm::Error Transport::handshake(bool resume, int timeoutMs) {
   // Over TCP the server speaks first: a challenge, which the Hello answers with a MAC under
   // the token (the token itself never travels). Over the Unix socket the server knows the
   // peer's uid and sends nothing first.
-  std::string challenge, token, source;
+  std::string challenge;
+  Token token;
   bool ok = true;
   auto noAnswer = [&](const std::string &what) {
-    why = "rgpu-opserver at " + address_ + (ok ? " " : " sent no ") + what +
-          (ok ? "" : " within " + seconds(timeoutMs / 1000.0));
     socket_.close();
-    return Hello::NoAnswer;
+    return failure("rgpu-opserver at " + address_ + (ok ? " " : " sent no ") + what +
+                   (ok ? "" : " within " + seconds(timeoutMs / 1000.0)));
   };
   if (tcp_) {
     net::Frame first = receiveHandshake(timeoutMs, ok);
@@ -195,12 +205,14 @@ Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &w
       lose("rgpu-opserver at " + address_ + " did not start with a challenge: it is not an "
            "rgpu-opserver of this version");
     challenge = bytesOf(sf.getChallenge().getNonce());
-    if (!findToken(token, source, why)) {
+    llvm::Expected<Token> found = findToken(options_);
+    if (!found) {
       socket_.close();
       lostReason_ = "rgpu-opserver at " + address_ + " needs a token over TCP, and this client "
-                    "has none (" + why + "). " + kTokenHelp + ".";
+                    "has none (" + message(found.takeError()) + "). " + kTokenHelp + ".";
       raise(ErrorKind::Auth, lostReason_);
     }
+    token = std::move(*found);
   }
   if (!resume)
     sessionId_ = net::auth::randomBytes(16);
@@ -216,7 +228,7 @@ Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &w
   h.setResumeFrom(resume ? acked_ + 1 : 0);
   h.setClientNonce(dataOf(nonce));
   if (tcp_)
-    h.setAuthMac(dataOf(net::auth::clientMac(token, challenge, nonce)));
+    h.setAuthMac(dataOf(net::auth::clientMac(token.value, challenge, nonce)));
   const auto sent = Clock::now();
   if (!socket_.sendAll(net::encodeFrame(b, true)))
     return noAnswer("closed the connection before the Hello");
@@ -233,8 +245,8 @@ Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &w
       socket_.close();
       raise(ErrorKind::Auth,
             lostReason_ = "rgpu-opserver at " + address_ + " refused this client: " + message +
-                (tcp_ ? " (the client used " + source + ", fingerprint " +
-                            net::auth::fingerprint(token) + "; the server logs its own token's "
+                (tcp_ ? " (the client used " + token.source + ", fingerprint " +
+                            net::auth::fingerprint(token.value) + "; the server logs its own token's "
                             "fingerprint when it starts). " + kTokenHelp + "."
                       : std::string(".")));
     }
@@ -244,14 +256,14 @@ Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &w
     lose("rgpu-opserver at " + address_ + " answered the Hello with something else");
   auto hr = sf.getResults()[0].getHello();
   if (tcp_ && !net::auth::sameMac(bytesOf(hr.getServerMac()),
-                                  net::auth::serverMac(token, challenge, nonce))) {
+                                  net::auth::serverMac(token.value, challenge, nonce))) {
     socket_.close();
     raise(ErrorKind::Auth, lostReason_ = "the server at " + address_ + " did not prove that it "
-                           "holds the token from " + source + ": it is not the rgpu-opserver "
+                           "holds the token from " + token.source + ": it is not the rgpu-opserver "
                            "you meant, or it has another token");
   }
   if (tcp_) // everything after the Hello travels sealed, under keys of this Hello
-    socket_.seal(net::deriveKeys(token, challenge, nonce));
+    socket_.seal(net::deriveKeys(token.value, challenge, nonce));
   std::string theirs = hr.getTorchVersion();
   if (minorOf(theirs) != minorOf(bridge::torchVersion()))
     lose("version mismatch: this client runs torch " + bridge::torchVersion() +
@@ -263,14 +275,14 @@ Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &w
   std::string instance = bytesOf(hr.getInstance());
   if (resume) {
     if (!hr.getResumed()) {
-      why = instance != instance_
-                ? "rgpu-opserver at " + address_ + " restarted: it is a new server process, "
-                  "and the session's tensors went with the old one"
-                : "rgpu-opserver at " + address_ + " no longer holds this session: it was not "
-                  "resumed within the server's --session-grace of " +
-                  std::to_string(graceSeconds_) + " s";
       socket_.close();
-      return Hello::Refused;
+      return llvm::make_error<NotResumed>(
+          instance != instance_
+              ? "rgpu-opserver at " + address_ + " restarted: it is a new server process, "
+                "and the session's tensors went with the old one"
+              : "rgpu-opserver at " + address_ + " no longer holds this session: it was not "
+                "resumed within the server's --session-grace of " +
+                std::to_string(graceSeconds_) + " s");
     }
     acknowledge(hr.getLastSeq());
   } else {
@@ -285,7 +297,7 @@ Transport::Hello Transport::handshake(bool resume, int timeoutMs, std::string &w
     if (serverHello_.devices.empty())
       serverHello_.devices.push_back(serverHello_.device);
   }
-  return Hello::Resumed;
+  return llvm::Error::success();
 }
 
 void Transport::acknowledge(uint64_t seq) {
@@ -319,7 +331,7 @@ bool Transport::poll(net::Frame &out) {
       return false;
     if (status != net::Socket::Status::Ok) {
       recover(status == net::Socket::Status::Closed ? "the connection closed"
-                                                     : failed(),
+                                                     : connectionFailure(),
               Clock::now());
       continue;
     }
@@ -342,7 +354,7 @@ net::Frame Transport::receive(uint64_t seq,
     raise(ErrorKind::SessionLost, lostReason_);
   // A server serving this client's frames sends a heartbeat every half second: this long a
   // silence means a hung server or a dead link.
-  const int silenceMs = std::clamp(reconnectSeconds_ * 500, 1500, 10000);
+  const int silenceMs = std::clamp(options_.reconnectSeconds * 500, 1500, 10000);
   auto heard = Clock::now();
   // Waited for in slices while an interrupt may come (see setInterruptCheck).
   bool cancelled = false, first = true;
@@ -386,7 +398,7 @@ net::Frame Transport::receive(uint64_t seq,
     bool silent = status == net::Socket::Status::Timeout;
     recover(silent ? "no answer for " + seconds(silenceMs / 1000.0)
             : status == net::Socket::Status::Closed ? std::string("the connection closed")
-                                                   : failed(),
+                                                   : connectionFailure(),
             silent ? heard : Clock::now());
     heard = Clock::now();
   }
@@ -397,50 +409,46 @@ void Transport::recover(const std::string &why, Clock::time_point since) {
   if (sessionId_.empty())
     lose(why);
   auto start = Clock::now();
-  auto deadline = since + std::chrono::seconds(reconnectSeconds_);
+  auto deadline = since + std::chrono::seconds(options_.reconnectSeconds);
   log_(30, "rgpu: lost the connection to rgpu-opserver at " + address_ + " (" + why +
-               "); resuming the session, for up to " + std::to_string(reconnectSeconds_) +
+               "); resuming the session, for up to " + std::to_string(options_.reconnectSeconds) +
                " s (RGPU_RECONNECT_SECONDS)");
   std::string last = why;
   auto backoff = std::chrono::milliseconds(50);
   while (Clock::now() < deadline) {
-    std::string error;
     const int left = int(std::max<int64_t>(
         100, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now())
                  .count()));
-    if (open(error, left)) {
-      switch (handshake(true, left, error)) {
-      case Hello::Refused: lose(error);
-      case Hello::NoAnswer: last = error; break;
-      case Hello::Resumed: {
-        // Counted as soon as the server has taken the session back: a connection lost again
-        // while the kept frames go out is one more resume, not part of this one.
-        ++reconnects_;
-        log_(30, "rgpu: resumed the session on rgpu-opserver at " + address_ + " after " +
-                     seconds(std::chrono::duration<double>(Clock::now() - start).count()) +
-                     " without a connection; sending " + std::to_string(kept_.size()) +
-                     " frame(s) again");
-        keepAnchor();
-        bool sent = true;
-        for (const auto &kept : kept_)
-          if (!(sent = socket_.sendAll(kept.second)))
-            break;
-        if (sent)
-          return;
-        socket_.close();
-        last = "the connection closed again while frames were sent again";
-        break;
-      }
-      }
+    if (llvm::Error error = open(left)) {
+      last = message(std::move(error));
+    } else if (llvm::Error hello = handshake(true, left)) {
+      if (hello.isA<NotResumed>())
+        lose(message(std::move(hello)));
+      last = message(std::move(hello));
     } else {
-      last = error;
+      // Counted as soon as the server has taken the session back: a connection lost again
+      // while the kept frames go out is one more resume, not part of this one.
+      ++reconnects_;
+      log_(30, "rgpu: resumed the session on rgpu-opserver at " + address_ + " after " +
+                   seconds(std::chrono::duration<double>(Clock::now() - start).count()) +
+                   " without a connection; sending " + std::to_string(kept_.size()) +
+                   " frame(s) again");
+      keepAnchor();
+      bool sent = true;
+      for (const auto &kept : kept_)
+        if (!(sent = socket_.sendAll(kept.second)))
+          break;
+      if (sent)
+        return;
+      socket_.close();
+      last = "the connection closed again while frames were sent again";
     }
     std::this_thread::sleep_for(std::min<Clock::duration>(
         backoff, std::max<Clock::duration>(deadline - Clock::now(), Clock::duration::zero())));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
   lose("rgpu-opserver at " + address_ + " could not be reached again within " +
-       std::to_string(reconnectSeconds_) + " s (RGPU_RECONNECT_SECONDS; " + last + ")");
+       std::to_string(options_.reconnectSeconds) + " s (RGPU_RECONNECT_SECONDS; " + last + ")");
 }
 
 namespace {

@@ -1,4 +1,5 @@
 #include "rgpu/net/Auth.h"
+#include "rgpu/wire/Paths.h"
 
 #include <sodium.h>
 
@@ -19,16 +20,6 @@ void initSodium() {
   static const bool ok = sodium_init() >= 0;
   if (!ok)
     throw std::runtime_error("libsodium could not be initialised");
-}
-
-std::string home() {
-  const char *h = std::getenv("HOME");
-  return h && *h ? h : ".";
-}
-
-std::string envOr(const char *name, const std::string &fallback) {
-  const char *v = std::getenv(name);
-  return v && *v ? v : fallback;
 }
 
 } // namespace
@@ -85,16 +76,11 @@ std::string fingerprint(const std::string &token) {
 }
 
 std::string defaultSocketPath() {
-  const char *run = std::getenv("XDG_RUNTIME_DIR");
-  struct stat st;
-  if (run && *run && ::stat(run, &st) == 0 && S_ISDIR(st.st_mode))
-    return std::string(run) + "/rgpu/opserver.sock";
-  return home() + "/.rgpu/opserver.sock";
+  std::string run = wire::userDir(wire::UserDir::Runtime);
+  return run.empty() ? wire::homeDir() + "/.rgpu/opserver.sock" : run + "/rgpu/opserver.sock";
 }
 
-std::string defaultTokenPath() {
-  return envOr("XDG_CONFIG_HOME", home() + "/.config") + "/rgpu/token";
-}
+std::string defaultTokenPath() { return wire::userDir(wire::UserDir::Config) + "/rgpu/token"; }
 
 bool ensurePrivateDir(const std::string &dir, std::string &error) {
   // Parents are made as usual (0755 under the umask); only the last directory is ours alone.

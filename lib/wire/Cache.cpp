@@ -1,4 +1,5 @@
 #include "rgpu/wire/Cache.h"
+#include "rgpu/wire/Paths.h"
 #include "rgpu/wire/Wire.h"
 
 #include <capnp/serialize.h>
@@ -17,10 +18,7 @@ namespace rgpu::wire {
 std::string defaultCacheDir() {
   if (const char *dir = std::getenv("RGPU_CACHE_DIR"); dir && *dir)
     return std::string(dir) == "off" ? "" : dir;
-  if (const char *xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg)
-    return std::string(xdg) + "/rgpu/graphs";
-  const char *home = std::getenv("HOME");
-  return std::string(home ? home : ".") + "/.cache/rgpu/graphs";
+  return userDir(UserDir::Cache) + "/rgpu/graphs";
 }
 
 std::string cacheFilePath(const std::string &dir, const ir::Hash256 &hash) {

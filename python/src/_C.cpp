@@ -244,7 +244,7 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>());
   // (state bytes, initial seed) of the session's generator of a device.
   m.def("rng_state", [](int device) {
-    Session::RngState got;
+    rgpu::client::RngState got;
     {
       py::gil_scoped_release release;
       got = Session::get().rngState(device);
@@ -454,7 +454,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("started", []() { return Session::get().started(); },
         "Whether this process ever started its session on a server.");
   m.def("server_hello", []() {
-    Transport::ServerHello h;
+    rgpu::client::ServerHello h;
     {
       py::gil_scoped_release release;
       h = Session::get().serverHello();
@@ -479,7 +479,7 @@ PYBIND11_MODULE(_C, m) {
     return Session::get().joinGroup(store, prefix, rank, size, timeoutMs);
   }, py::call_guard<py::gil_scoped_release>());
   m.def("device_memory", [](int device, bool resetPeak, bool emptyCache) {
-    Session::DeviceMemory mem;
+    rgpu::client::DeviceMemory mem;
     {
       py::gil_scoped_release release;
       mem = Session::get().deviceMemory(device, resetPeak, emptyCache);
@@ -499,7 +499,7 @@ PYBIND11_MODULE(_C, m) {
     return out;
   }, py::arg("device") = 0, py::arg("reset_peak") = false, py::arg("empty_cache") = false);
   m.def("server_stats", []() {
-    Session::ServerStats st;
+    rgpu::client::ServerStats st;
     {
       py::gil_scoped_release release;
       st = Session::get().serverStats();

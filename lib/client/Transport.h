@@ -1,4 +1,4 @@
-//===- rgpu/client/Transport.h - The client's connection, which survives drops -===//
+//===- lib/client/Transport.h - The client's connection, which survives drops -===//
 //
 // The transport owns everything between a frame the session has encoded and the server's
 // reply to it: connecting (Unix socket or TCP), authentication, the Hello, sending, receiving,
@@ -16,8 +16,13 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "Options.h"
+
+#include "rgpu/client/Replies.h"
 #include "rgpu/net/Frame.h"
 #include "rgpu/wire/Wire.h"
+
+#include <llvm/Support/Error.h>
 
 #include <capnp/message.h>
 
@@ -44,7 +49,7 @@ public:
   std::string address() const;
   /// "the connection failed", with what the bytes said when they said why (a sealed record
   /// that does not open, a frame the decoder refused).
-  std::string failed() const;
+  std::string connectionFailure() const;
 
   bool connected() const { return socket_.connected(); }
   /// Whether a session was ever started on a server (a Hello sent), lost since or not.
@@ -53,15 +58,11 @@ public:
   bool lost() const { return !lostReason_.empty(); }
   const std::string &lostReason() const { return lostReason_; }
 
-  /// Connects and starts a new session on the server. Raises SessionLost or Auth.
+  /// Connects and starts a new session on the server, reading how (ConnectionOptions) from the
+  /// environment as it is now. Raises SessionLost or Auth.
   void connect();
   /// What the server's Hello reply said.
   uint64_t graphBudget() const { return graphBudget_; }
-  struct ServerHello {
-    uint32_t protocol = 0;
-    std::string torchVersion, device, compiler;
-    std::vector<std::string> devices; ///< rgpu:i is devices[i] on the server
-  };
   const ServerHello &serverHello() const { return serverHello_; }
   uint64_t reconnects() const { return reconnects_; }
   const wire::Limits &limits() const { return limits_; }
@@ -116,12 +117,13 @@ public:
   [[noreturn]] void lose(const std::string &why);
 
 private:
-  enum class Hello { Resumed, Refused, NoAnswer };
   /// Says Hello on the connected socket: a new session, or with \p resume this one. Raises on
-  /// authentication and version errors; NoAnswer if the connection failed during it.
-  Hello handshake(bool resume, int timeoutMs, std::string &why);
+  /// authentication and version errors. Fails with NotResumed if the server answered and
+  /// will not resume the session (retrying cannot help), with another error if the
+  /// connection failed during the Hello.
+  llvm::Error handshake(bool resume, int timeoutMs);
   /// Connects the socket to endpoint_ (parsed by connect()), giving up after \p timeoutMs.
-  bool open(std::string &error, int timeoutMs);
+  llvm::Error open(int timeoutMs);
   /// The next frame that is not a heartbeat; \p ok false if none came within \p timeoutMs.
   net::Frame receiveHandshake(int timeoutMs, bool &ok);
   /// Reconnects and resumes, for up to the reconnect budget counted from \p since; raises
@@ -139,6 +141,7 @@ private:
 
   std::function<void(int, const std::string &)> log_;
   std::function<bool()> interrupted_;
+  ConnectionOptions options_; ///< As read when the session started.
   uint64_t cancelledThrough_ = 0;
   std::string wanted_, address_;
   net::Endpoint endpoint_;
@@ -156,7 +159,6 @@ private:
   /// Frames sent and not acknowledged, oldest first.
   std::deque<std::pair<uint64_t, std::string>> kept_;
   uint64_t keptBytes_ = 0;
-  int reconnectSeconds_ = 60;
   std::chrono::steady_clock::duration roundTrip_ = std::chrono::steady_clock::duration::max();
   std::chrono::steady_clock::duration fastestReply_ = std::chrono::steady_clock::duration::max();
   uint64_t lastSent_ = 0; ///< The latest frame sent, and when.

@@ -1,0 +1,324 @@
+#include "FrameCodec.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace rgpu::client {
+
+bool sameBits(const ir::ScalarValue &a, const ir::ScalarValue &b) {
+  return a.kind == b.kind && a.i == b.i && std::memcmp(&a.d, &b.d, sizeof a.d) == 0 &&
+         std::memcmp(&a.imag, &b.imag, sizeof a.imag) == 0;
+}
+
+//===----------------------------------------------------------------------===//
+// Commands into a client frame
+//===----------------------------------------------------------------------===//
+
+uint64_t FrameEncoder::encode(wire::ClientFrame::Builder frame, llvm::ArrayRef<Command> commands,
+                              std::vector<uint64_t> releases) {
+  auto cmds = frame.initCommands(commands.size() + (releases.empty() ? 0 : 1));
+  uint64_t dataBytes = 0;
+  for (size_t i = 0; i < commands.size(); ++i) {
+    std::visit([&](const auto &c) { put(c, cmds[i]); }, commands[i]);
+    if (const auto *u = std::get_if<command::Upload>(&commands[i]))
+      dataBytes += u->length;
+  }
+  if (!releases.empty()) {
+    // As ranges: a step releases the previous step's outputs, which have consecutive handles.
+    std::sort(releases.begin(), releases.end());
+    releases.erase(std::unique(releases.begin(), releases.end()), releases.end());
+    std::vector<uint64_t> ranges; // (first, count) pairs
+    for (uint64_t h : releases) {
+      if (!ranges.empty() && ranges[ranges.size() - 2] + ranges.back() == h)
+        ++ranges.back();
+      else
+        ranges.insert(ranges.end(), {h, 1});
+    }
+    auto rel = cmds[commands.size()].initReleaseRanges(ranges.size());
+    for (size_t k = 0; k < ranges.size(); ++k)
+      rel.set(k, ranges[k]);
+  }
+  return dataBytes;
+}
+
+void FrameEncoder::put(const command::Define &c, wire::Command::Builder b) {
+  auto d = b.initDefine();
+  wire::encodeHash(c.hash, d.initHash());
+  wire::encodeGraph(*c.graph, d.initGraph());
+  d.setExecutor(c.executor);
+}
+
+void FrameEncoder::put(const command::Run &c, wire::Command::Builder b) {
+  auto r = b.initRun();
+  wire::encodeHash(c.hash, r.initHash());
+  putRunArgs(c, r);
+  r.setFirstOutput(c.firstOutput);
+  r.setNumOutputs(c.outputs);
+  r.setReplyMetas(c.replyMetas);
+  if (!c.symbols.empty()) {
+    auto sy = r.initSymbols(c.symbols.size());
+    for (size_t k = 0; k < c.symbols.size(); ++k)
+      sy.set(k, c.symbols[k]);
+  }
+}
+
+void FrameEncoder::put(const command::Upload &c, wire::Command::Builder b) {
+  auto u = b.initUpload();
+  u.setHandle(c.handle);
+  wire::encodeMeta(c.meta, u.initMeta());
+  u.setOffset(c.offset);
+  u.setDevice(c.device);
+  u.setTotal(c.meta.storageBytes());
+  if (!c.encoded.empty()) {
+    u.setEncoding(1);
+    u.setLength(c.length);
+    u.setData(kj::arrayPtr(reinterpret_cast<const kj::byte *>(c.encoded.data()),
+                           c.encoded.size()));
+  } else {
+    u.setData(kj::arrayPtr(c.bytes.get() + c.offset, c.length));
+  }
+}
+
+void FrameEncoder::put(const command::Download &c, wire::Command::Builder b) {
+  auto d = b.initDownload();
+  d.setHandle(c.handle);
+  wire::encodeMeta(c.meta, d.initMeta());
+  d.setOffset(c.offset);
+  d.setLength(c.length);
+}
+
+void FrameEncoder::put(const command::Forget &c, wire::Command::Builder b) {
+  auto f = b.initForget(c.hashes.size());
+  for (size_t k = 0; k < c.hashes.size(); ++k) {
+    wire::encodeHash(c.hashes[k], f[k]);
+    lastRuns_.erase(c.hashes[k]); // the server forgets its latest run too
+  }
+}
+
+void FrameEncoder::put(const command::Seed &c, wire::Command::Builder b) { b.setSeed(c.seed); }
+
+void FrameEncoder::put(const command::Stats &, wire::Command::Builder b) { b.setStats(); }
+
+void FrameEncoder::put(const command::Memory &c, wire::Command::Builder b) {
+  auto m = b.initMemory();
+  m.setResetPeak(c.resetPeak);
+  m.setEmptyCache(c.emptyCache);
+  m.setDevice(c.device);
+}
+
+void FrameEncoder::put(const command::Sync &, wire::Command::Builder b) { b.setSync(); }
+
+void FrameEncoder::put(const command::Generator &c, wire::Command::Builder b) {
+  auto r = b.initGenerator();
+  r.setId(c.id);
+  r.setDevice(c.device);
+  switch (c.op) {
+  case wire::GeneratorRequest::CREATE: r.setCreate(c.arg); break;
+  case wire::GeneratorRequest::CLONE_OF: r.setCloneOf(c.arg); break;
+  case wire::GeneratorRequest::SEED: r.setSeed(c.arg); break;
+  case wire::GeneratorRequest::DROP: r.setDrop(); break;
+  case wire::GeneratorRequest::SNAPSHOT: r.setSnapshot(); break;
+  case wire::GeneratorRequest::RESTORE: r.setRestore(); break;
+  }
+}
+
+void FrameEncoder::put(const command::RngState &c, wire::Command::Builder b) {
+  auto r = b.initRngState();
+  r.setDevice(c.device);
+  r.setGenerator(c.generator);
+  if (c.set) {
+    r.setSet(true);
+    r.setState(kj::arrayPtr(reinterpret_cast<const kj::byte *>(c.set->data()), c.set->size()));
+  }
+}
+
+void FrameEncoder::put(const command::HostStore &, wire::Command::Builder b) { b.setHostStore(); }
+
+void FrameEncoder::put(const command::JoinGroup &c, wire::Command::Builder b) {
+  auto j = b.initJoinGroup();
+  j.setStore(c.store);
+  j.setPrefix(c.prefix);
+  j.setRank(c.rank);
+  j.setSize(c.size);
+  j.setTimeoutMs(c.timeoutMs);
+}
+
+namespace {
+void putRestores(const std::vector<uint32_t> &restores, wire::Run::Builder r) {
+  auto rs = r.initRestores(restores.size());
+  for (size_t k = 0; k < restores.size(); ++k)
+    rs.set(k, restores[k]);
+}
+} // namespace
+
+void FrameEncoder::putRunArgs(const command::Run &c, wire::Run::Builder r) {
+  auto last = lastRuns_.find(c.hash);
+  if (last == lastRuns_.end() || last->second.inputs.size() != c.inputs.size() ||
+      last->second.scalars.size() != c.scalars.size()) {
+    auto in = r.initInputs(c.inputs.size());
+    for (size_t k = 0; k < c.inputs.size(); ++k)
+      in.set(k, c.inputs[k]);
+    auto sc = r.initScalars(c.scalars.size());
+    for (size_t k = 0; k < c.scalars.size(); ++k)
+      wire::encodeScalar(c.scalars[k], sc[k]);
+    putRestores(c.restores, r);
+    lastRuns_[c.hash] = LastRun{c.inputs, c.scalars, c.restores};
+    return;
+  }
+  // Relative to the previous run of this graph: handles as runs of equal deltas (a step's
+  // inputs are the last step's outputs, all a fixed number of handles on), scalars as the
+  // slots that changed and a table of their distinct values (Adam's bias corrections change
+  // every step, one value for every parameter).
+  LastRun &prev = last->second;
+  r.setRelative(true);
+  std::vector<int64_t> deltas;
+  for (size_t k = 0; k < c.inputs.size(); ++k) {
+    const int64_t d = int64_t(c.inputs[k] - prev.inputs[k]);
+    if (!deltas.empty() && deltas[deltas.size() - 2] == d)
+      ++deltas.back();
+    else
+      deltas.insert(deltas.end(), {d, 1});
+  }
+  auto in = r.initInputDeltas(deltas.size());
+  for (size_t k = 0; k < deltas.size(); ++k)
+    in.set(k, deltas[k]);
+  std::vector<uint32_t> slots;
+  std::vector<uint16_t> values;
+  std::vector<ir::ScalarValue> table;
+  for (size_t k = 0; k < c.scalars.size(); ++k) {
+    if (sameBits(c.scalars[k], prev.scalars[k]))
+      continue;
+    auto it = std::find_if(table.begin(), table.end(),
+                           [&](const ir::ScalarValue &v) { return sameBits(v, c.scalars[k]); });
+    if (it == table.end()) {
+      if (table.size() == 0xffff) { // too varied to say briefly: the whole run instead
+        lastRuns_.erase(last);
+        r.setRelative(false);
+        r.initInputDeltas(0);
+        return putRunArgs(c, r);
+      }
+      it = table.insert(table.end(), c.scalars[k]);
+    }
+    slots.push_back(uint32_t(k));
+    values.push_back(uint16_t(it - table.begin()));
+  }
+  auto sc = r.initScalars(table.size());
+  for (size_t k = 0; k < table.size(); ++k)
+    wire::encodeScalar(table[k], sc[k]);
+  auto sl = r.initChangedSlots(slots.size());
+  auto vl = r.initChangedValues(values.size());
+  for (size_t k = 0; k < slots.size(); ++k) {
+    sl.set(k, slots[k]);
+    vl.set(k, values[k]);
+  }
+  if (c.restores != prev.restores) // else absent: the previous run's
+    putRestores(c.restores, r);
+  prev = LastRun{c.inputs, c.scalars, c.restores};
+}
+
+//===----------------------------------------------------------------------===//
+// A server frame into values
+//===----------------------------------------------------------------------===//
+
+namespace {
+/// rgpu.server_stats(): every counter the server sends, by name.
+ServerStats decodeStats(wire::ServerStats::Reader st) {
+  ServerStats out;
+  out.planBuilds = st.getPlanBuilds();
+  out.graphsCached = st.getGraphsCached();
+  out.graphRuns = st.getGraphRuns();
+  out.sessions = st.getSessions();
+  out.sessionGraphRuns = st.getSessionGraphRuns();
+  out.sessionExecuteNs = st.getSessionExecuteNs();
+  out.sessionTensors = st.getSessionTensors();
+  out.compiler = st.getCompiler();
+  out.inductorCompiles = st.getInductorCompiles();
+  out.compilesPending = st.getCompilesPending();
+  out.compileFailures = st.getCompileFailures();
+  out.diskCacheHits = st.getDiskCacheHits();
+  out.compiledRuns = st.getCompiledRuns();
+  out.sessionCompiledRuns = st.getSessionCompiledRuns();
+  out.sessionWritesInPlace = st.getSessionWritesInPlace();
+  out.sessionRunsCancelled = st.getSessionRunsCancelled();
+  out.connections = st.getConnections();
+  out.connectionsRefused = st.getConnectionsRefused();
+  out.sessionMemory = st.getSessionMemory();
+  out.sessionMemoryPeak = st.getSessionMemoryPeak();
+  out.sessionMemoryQuota = st.getSessionMemoryQuota();
+  out.sessionMemoryRefused = st.getSessionMemoryRefused();
+  out.memoryHeld = st.getMemoryHeld();
+  out.memoryKept = st.getMemoryKept();
+  out.memoryLimit = st.getMemoryLimit();
+  for (uint64_t m : st.getSessionMemories())
+    out.sessionMemories.push_back(m);
+  out.sessionGraphBytes = st.getSessionGraphBytes();
+  out.graphBudget = st.getGraphBudget();
+  out.graphsForgotten = st.getGraphsForgotten();
+  out.planEvictions = st.getPlanEvictions();
+  out.compiledEvictions = st.getCompiledEvictions();
+  out.diskEvictions = st.getDiskEvictions();
+  out.compilesDropped = st.getCompilesDropped();
+  out.sessionsParked = st.getSessionsParked();
+  out.resumes = st.getResumes();
+  out.sessionsExpired = st.getSessionsExpired();
+  for (auto g : st.getGraphs())
+    out.graphs.push_back({wire::decodeHash(g.getHash()), g.getNodes(), g.getRuns(),
+                          g.getExecuteNs(), g.getBuildNs(), g.getExecutor(), g.getCompiledRuns()});
+  return out;
+}
+} // namespace
+
+Reply decodeReply(wire::ServerFrame::Reader sf) {
+  Reply out;
+  out.ackSeq = sf.getAckSeq();
+  for (auto r : sf.getResults()) {
+    switch (r.which()) {
+    case wire::Result::DATA: {
+      auto d = r.getData();
+      out.data.emplace_back(reinterpret_cast<const char *>(d.begin()), d.size());
+      break;
+    }
+    case wire::Result::METAS:
+      out.metas.emplace_back();
+      for (auto m : r.getMetas()) {
+        out.metas.back().emplace_back();
+        wire::decodeMeta(m, out.metas.back().back());
+      }
+      break;
+    case wire::Result::STATS: out.stats.push_back(decodeStats(r.getStats())); break;
+    case wire::Result::MEMORY: {
+      auto m = r.getMemory();
+      out.memory.push_back({m.getDevice(), m.getName(), m.getAllocated(), m.getAllocatedPeak(),
+                            m.getReserved(), m.getReservedPeak(), m.getFree(), m.getTotal(),
+                            m.getMultiProcessors(), m.getMajor(), m.getMinor()});
+      break;
+    }
+    case wire::Result::TEXT: out.texts.push_back(r.getText()); break;
+    case wire::Result::RNG_STATE: {
+      auto g = r.getRngState();
+      out.rngStates.push_back(
+          {std::string(reinterpret_cast<const char *>(g.getState().begin()), g.getState().size()),
+           g.getInitialSeed()});
+      break;
+    }
+    default: break;
+    }
+  }
+  for (auto note : sf.getNotes())
+    out.notes.emplace_back(note.cStr());
+  if (sf.hasError()) {
+    auto e = sf.getError();
+    RemoteError error;
+    error.fatal = e.getKind() != wire::Error::Kind::REMOTE;
+    error.op = e.getOp();
+    error.location = e.getLocation();
+    error.message = e.getMessage();
+    error.pythonType = e.getPythonType();
+    error.graph = wire::decodeHash(e.getGraph());
+    error.node = e.getNode();
+    out.error = std::move(error);
+  }
+  return out;
+}
+
+} // namespace rgpu::client
