@@ -25,6 +25,9 @@ Context::Context(std::vector<c10::Device> devices, wire::Limits limits,
   FLAGS_caffe2_cpu_allocator_do_zero_fill = true;
 }
 
+Context::Context(std::vector<c10::Device> devices, wire::Limits limits)
+    : Context(std::move(devices), limits, nullptr) {}
+
 size_t Context::graphsCached() {
   std::lock_guard<std::mutex> lock(mu_);
   size_t live = 0;

@@ -53,7 +53,9 @@ public:
   /// rgpu:i runs on \p devices[i] (--devices); \p compiler, null for --compiler plan, compiles
   /// for devices[0].
   Context(std::vector<c10::Device> devices, wire::Limits limits,
-          std::unique_ptr<Compiler> compiler = nullptr);
+          std::unique_ptr<Compiler> compiler);
+  /// A Context without a compiler (--compiler plan).
+  Context(std::vector<c10::Device> devices, wire::Limits limits);
   ~Context();
 
   /// rgpu:0's device: the one memory figures and Inductor are for by default.
