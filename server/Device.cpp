@@ -1,11 +1,16 @@
 #include "Device.h"
 #include "Memory.h"
 
+#include "rgpu/ir/Error.h"
+
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <llvm/ADT/SmallVector.h>
+#include <llvm/ADT/StringRef.h>
 
 #include <dlfcn.h>
 #include <unistd.h>
@@ -187,6 +192,39 @@ bool afterError(c10::Device dev, const std::string &message) {
     if (message.find(sticky) != std::string::npos)
       return true;
   return false;
+}
+
+llvm::Expected<std::vector<c10::Device>> parseList(const std::string &list) {
+  const bool cuda = at::globalContext().hasCUDA();
+  const std::string given = list.empty() ? (cuda ? "cuda" : "cpu") : list;
+  std::vector<c10::Device> devices;
+  llvm::SmallVector<llvm::StringRef, 8> items;
+  llvm::StringRef(given).split(items, ',', -1, /*KeepEmpty=*/true);
+  for (llvm::StringRef item : items) {
+    if (item == "cpu") {
+      devices.emplace_back(c10::kCPU);
+      continue;
+    }
+    unsigned index = 0;
+    llvm::StringRef number = item;
+    if (item != "cuda" && (!number.consume_front("cuda:") || number.getAsInteger(10, index)))
+      return failure("unknown device '" + item + "': use cuda, cuda:N or cpu (--devices "
+                     "cuda:0,cuda:1)");
+    if (!cuda)
+      return failure("--device " + given + ": no usable CUDA device on this machine (use cpu)");
+    int count = at::detail::getCUDAHooks().deviceCount();
+    if (int(index) >= count)
+      return failure("--device " + given + ": this machine has " + std::to_string(count) +
+                     " CUDA device(s), numbered from 0");
+    devices.emplace_back(c10::kCUDA, c10::DeviceIndex(index));
+  }
+  if (devices.empty() || devices.size() > size_t(wire::kMaxDevices))
+    return failure("--devices takes 1 to " + std::to_string(wire::kMaxDevices) +
+                   " devices, not '" + given + "'");
+  if (std::any_of(devices.begin(), devices.end(),
+                  [&](const c10::Device &d) { return d.type() != devices[0].type(); }))
+    return failure("--devices " + given + " mixes CPU and CUDA devices");
+  return devices;
 }
 
 } // namespace rgpu::server::device

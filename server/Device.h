@@ -14,8 +14,10 @@
 #include "rgpu/wire/Wire.h"
 
 #include <c10/core/Device.h>
+#include <llvm/Support/Error.h>
 
 #include <string>
+#include <vector>
 
 namespace at {
 class Tensor;
@@ -30,6 +32,11 @@ void apply(c10::Device dev, wire::MemoryRequest::Reader request, memory::Account
            bool deviceWide);
 /// Fills \p out with the figures of \p dev, as the session of \p account sees them.
 void figures(c10::Device dev, wire::DeviceMemory::Builder out, const memory::Account &account);
+
+/// The devices \p list names (--devices "cuda:0,cuda:1", "cpu"; empty: cuda if this machine
+/// has it, else cpu), checked against this machine: at most wire::kMaxDevices, all CPU or all
+/// CUDA.
+llvm::Expected<std::vector<c10::Device>> parseList(const std::string &list);
 
 /// Host memory for a transfer to or from \p dev: pinned for a CUDA device (the copy engine
 /// reads it directly, without a bounce through pageable memory).

@@ -3,6 +3,7 @@
 #include "Policy.h"
 #include "Rendezvous.h"
 
+#include "rgpu/ir/Error.h"
 #include "rgpu/net/Auth.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -357,7 +358,7 @@ std::shared_ptr<Groups::Join> Groups::startJoin(const std::string &store,
 #endif
 }
 
-std::optional<std::string> Groups::finish(Join &join) {
+std::optional<std::string> Groups::joinedGroupName(Join &join) {
 #ifdef RGPU_WITH_GLOO
   std::lock_guard<std::mutex> lock(join.mu);
   if (!join.ended)
@@ -380,7 +381,7 @@ std::optional<std::string> Groups::finish(Join &join) {
 
 void Groups::cancel(Join &join) { *join.cancelled = true; }
 
-std::string Groups::check(const ir::Graph &graph) const {
+llvm::Error Groups::check(const ir::Graph &graph) const {
   for (const ir::Node &n : graph.nodes) {
     if (!policy::isCollective(n.op.str()))
       continue;
@@ -397,11 +398,11 @@ std::string Groups::check(const ir::Graph &graph) const {
         continue;
       std::string name = a.kind == ir::Arg::Kind::Str ? n.strings[a.i] : "";
       if (!s_->names.count(name))
-        return n.op.str().str() + " names the process group '" + name +
-               "', which this session has not joined";
+        return failure(n.op.str() + " names the process group '" + name +
+                       "', which this session has not joined");
     }
   }
-  return "";
+  return llvm::Error::success();
 }
 
 int Groups::acceptConnection(int fd, sockaddr *address, socklen_t *length, AcceptFn real) {

@@ -2,6 +2,8 @@
 
 #include "rgpu/ir/Graph.h"
 
+#include <llvm/Support/Error.h>
+
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -37,12 +39,12 @@ public:
                                   std::chrono::milliseconds timeout, std::function<void()> ended);
   /// The group's name for graphs once \p join has ended, the group now this session's; none
   /// while it waits. Throws the join's error.
-  std::optional<std::string> finish(Join &join);
+  std::optional<std::string> joinedGroupName(Join &join);
   /// Ends a join whose client left: its waits on the store stop within
   /// rendezvous::Client::kCancelPollMs.
   static void cancel(Join &join);
-  /// An error message if \p graph names a process group this session did not join.
-  std::string check(const ir::Graph &graph) const;
+  /// Fails if \p graph names a process group this session did not join.
+  llvm::Error check(const ir::Graph &graph) const;
 
   /// At most this many groups per session, of at most this many ranks, with key prefixes of at
   /// most this many bytes.

@@ -241,12 +241,12 @@ Charge::~Charge() { tCurrent = previous_; }
 Uncharged::Uncharged() : previous_(tCurrent) { tCurrent = nullptr; }
 Uncharged::~Uncharged() { tCurrent = previous_; }
 
-bool parseSize(const std::string &text, uint64_t &bytes) {
+std::optional<uint64_t> parseSize(const std::string &text) {
   double value = 0;
   int used = 0;
   if (std::sscanf(text.c_str(), "%lf%n", &value, &used) != 1 || !(value >= 0) ||
       !std::isfinite(value))
-    return false;
+    return std::nullopt;
   std::string unit = text.substr(used);
   while (!unit.empty() && unit.front() == ' ')
     unit.erase(0, 1);
@@ -258,16 +258,13 @@ bool parseSize(const std::string &text, uint64_t &bytes) {
     if (unit == u || (power && (unit == u + "b" || unit == u + "ib"))) {
       double scaled = value * std::pow(1024.0, power);
       if (scaled >= 1.8e19)
-        return false;
-      bytes = uint64_t(scaled);
-      return true;
+        return std::nullopt;
+      return uint64_t(scaled);
     }
   }
-  if (unit == "b") {
-    bytes = uint64_t(value);
-    return true;
-  }
-  return false;
+  if (unit == "b")
+    return uint64_t(value);
+  return std::nullopt;
 }
 
 std::string sizeText(uint64_t bytes) {

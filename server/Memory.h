@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace rgpu::server::memory {
@@ -96,8 +97,9 @@ private:
   const std::shared_ptr<Account> *previous_;
 };
 
-/// "8GiB", "512 MiB", "64k", "1.5G" (powers of 1024; a bare number is bytes) into \p bytes.
-bool parseSize(const std::string &text, uint64_t &bytes);
+/// The bytes "8GiB", "512 MiB", "64k", "1.5G" say (powers of 1024; a bare number is bytes);
+/// none if \p text is not a size.
+std::optional<uint64_t> parseSize(const std::string &text);
 /// 1536 -> "1.5 KiB".
 std::string sizeText(uint64_t bytes);
 

@@ -1,5 +1,6 @@
 #include "Rendezvous.h"
 
+#include "rgpu/ir/Error.h"
 #include "rgpu/net/Auth.h"
 #include "rgpu/net/Seal.h"
 #include "store.capnp.h"
@@ -79,34 +80,27 @@ Table::~Table() {
     charge_(-int64_t(bytes_));
 }
 
-bool Table::put(const std::string &k, std::string value, std::string &refusal) {
-  if (value.size() > kMaxValueBytes) {
-    refusal = "a value of " + std::to_string(value.size()) + " bytes (at most " +
-              std::to_string(kMaxValueBytes) + ")";
-    return false;
-  }
+llvm::Error Table::put(const std::string &k, std::string value) {
+  if (value.size() > kMaxValueBytes)
+    return failure("a value of " + std::to_string(value.size()) + " bytes (at most " +
+                   std::to_string(kMaxValueBytes) + ")");
   auto it = entries_.find(k);
-  if (it == entries_.end() && entries_.size() >= kMaxKeys) {
-    refusal = "the store holds " + std::to_string(kMaxKeys) + " keys already";
-    return false;
-  }
+  if (it == entries_.end() && entries_.size() >= kMaxKeys)
+    return failure("the store holds " + std::to_string(kMaxKeys) + " keys already");
   const int64_t before = it == entries_.end() ? 0 : int64_t(k.size() + it->second.size() + kEntryOverhead);
   const int64_t delta = int64_t(k.size() + value.size() + kEntryOverhead) - before;
-  if (delta > 0 && bytes_ + delta > kMaxTableBytes) {
-    refusal = "the store would hold more than " + std::to_string(kMaxTableBytes >> 20) + " MiB";
-    return false;
-  }
-  if (delta > 0 && charge_ && !charge_(delta)) {
-    refusal = "the session that hosts the store has no memory left for " +
-              std::to_string(delta) + " more bytes of it (--session-memory)";
-    return false;
-  }
+  if (delta > 0 && bytes_ + delta > kMaxTableBytes)
+    return failure("the store would hold more than " + std::to_string(kMaxTableBytes >> 20) +
+                   " MiB");
+  if (delta > 0 && charge_ && !charge_(delta))
+    return failure("the session that hosts the store has no memory left for " +
+                   std::to_string(delta) + " more bytes of it (--session-memory)");
   if (delta < 0 && charge_)
     charge_(delta);
   bytes_ += delta;
   entries_[k] = std::move(value);
   ++changes_;
-  return true;
+  return llvm::Error::success();
 }
 
 bool Table::allSet(const std::vector<std::string> &keys) const {
@@ -134,13 +128,12 @@ bool Table::serve(const net::Frame &frame, std::string &reply, std::optional<Wai
   try {
     auto message = net::openFrame(frame, requestLimits());
     auto request = message->getRoot<wire::StoreRequest>();
-    std::string refusal;
     try {
       switch (request.which()) {
       case wire::StoreRequest::SET: {
         auto e = request.getSet();
-        if (!put(key(e.getKey()), text(e.getValue()), refusal))
-          throw Refused(refusal);
+        if (llvm::Error refused = put(key(e.getKey()), text(e.getValue())))
+          throw Refused(rgpu::message(std::move(refused)));
         r.setOk();
         break;
       }
@@ -166,8 +159,8 @@ bool Table::serve(const net::Frame &frame, std::string &reply, std::optional<Wai
         }
         // Wraps as two's complement would, without the undefined behaviour of overflow.
         n = int64_t(uint64_t(n) + uint64_t(a.getDelta()));
-        if (!put(k, std::to_string(n), refusal))
-          throw Refused(refusal);
+        if (llvm::Error refused = put(k, std::to_string(n)))
+          throw Refused(rgpu::message(std::move(refused)));
         r.setNumber(n);
         break;
       }
@@ -214,8 +207,8 @@ bool Table::serve(const net::Frame &frame, std::string &reply, std::optional<Wai
           r.setValue(asData(expected));
         } else if (it == entries_.end() || it->second == expected) {
           std::string desired = text(c.getDesired());
-          if (!put(k, desired, refusal))
-            throw Refused(refusal);
+          if (llvm::Error refused = put(k, desired))
+            throw Refused(rgpu::message(std::move(refused)));
           r.setValue(asData(desired));
         } else {
           r.setValue(asData(it->second));
@@ -230,8 +223,8 @@ bool Table::serve(const net::Frame &frame, std::string &reply, std::optional<Wai
         if (value.size() + e.getValue().size() > kMaxValueBytes)
           throw Refused("an append past " + std::to_string(kMaxValueBytes) + " bytes");
         value += text(e.getValue());
-        if (!put(k, std::move(value), refusal))
-          throw Refused(refusal);
+        if (llvm::Error refused = put(k, std::move(value)))
+          throw Refused(rgpu::message(std::move(refused)));
         r.setOk();
         break;
       }

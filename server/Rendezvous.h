@@ -20,6 +20,8 @@
 
 #include "rgpu/net/Frame.h"
 
+#include <llvm/Support/Error.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -74,7 +76,8 @@ public:
   uint64_t bytes() const { return bytes_; }
 
 private:
-  bool put(const std::string &key, std::string value, std::string &refusal);
+  /// Sets \p key; fails (setting nothing) past a bound of the store or its session's memory.
+  llvm::Error put(const std::string &key, std::string value);
   std::map<std::string, std::string> entries_;
   std::function<bool(int64_t)> charge_;
   uint64_t bytes_ = 0, changes_ = 0;
