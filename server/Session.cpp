@@ -109,7 +109,6 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         case wire::Command::RUN: handleRun(cmd.getRun(), at == tail.lastRun ? &tail : nullptr, reply); break;
         case wire::Command::UPLOAD: handleUpload(cmd.getUpload()); break;
         case wire::Command::DOWNLOAD: handleDownload(cmd.getDownload(), reply); break;
-        case wire::Command::RELEASE: handleRelease(cmd.getRelease()); break;
         case wire::Command::RELEASE_RANGES: handleReleaseRanges(cmd.getReleaseRanges()); break;
         case wire::Command::SEED: handleSeed(cmd.getSeed()); break;
         case wire::Command::STATS: reply.add(result::Stats{}); break;
@@ -547,19 +546,9 @@ void Session::stats(wire::ServerStats::Builder out) {
   out.setGraphsCached(ctx_.graphsCached());
   out.setGraphRuns(ctx_.graphRuns);
   out.setSessions(ctx_.sessions);
-  out.setSessionGraphRuns(runs_);
-  out.setSessionExecuteNs(executeNs_);
-  out.setSessionTensors(tensors_.size());
   out.setCompiledRuns(ctx_.compiledRuns);
-  out.setSessionCompiledRuns(compiledRuns_);
-  out.setSessionWritesInPlace(writesInPlace_);
-  out.setSessionRunsCancelled(runsCancelled_);
   out.setConnections(ctx_.connectionsOpen);
   out.setConnectionsRefused(ctx_.connectionsRefused);
-  out.setSessionMemory(account_->held);
-  out.setSessionMemoryPeak(account_->peak);
-  out.setSessionMemoryQuota(account_->quota);
-  out.setSessionMemoryRefused(account_->refused);
   out.setMemoryHeld(memory::held());
   out.setMemoryKept(memory::kept());
   out.setMemoryLimit(memory::limit());
@@ -567,9 +556,6 @@ void Session::stats(wire::ServerStats::Builder out) {
   auto ms = out.initSessionMemories(memories.size());
   for (size_t i = 0; i < memories.size(); ++i)
     ms.set(i, memories[i]);
-  out.setSessionGraphBytes(graphBytes_);
-  out.setGraphBudget(ctx_.budgets.graphMemory);
-  out.setGraphsForgotten(graphsForgotten_);
   out.setPlanEvictions(ctx_.planEvictions);
   out.setSessionsParked(ctx_.sessionsParked());
   out.setResumes(ctx_.resumes);
@@ -586,7 +572,21 @@ void Session::stats(wire::ServerStats::Builder out) {
   } else {
     out.setCompiler("plan");
   }
-  auto graphs = out.initGraphs(used_.size());
+  auto own = out.initSession();
+  own.setGraphRuns(runs_);
+  own.setExecuteNs(executeNs_);
+  own.setTensors(tensors_.size());
+  own.setCompiledRuns(compiledRuns_);
+  own.setWritesInPlace(writesInPlace_);
+  own.setRunsCancelled(runsCancelled_);
+  own.setMemory(account_->held);
+  own.setMemoryPeak(account_->peak);
+  own.setMemoryQuota(account_->quota);
+  own.setAllocationsRefused(account_->refused);
+  own.setGraphBytes(graphBytes_);
+  own.setGraphBudget(ctx_.budgets.graphMemory);
+  own.setGraphsForgotten(graphsForgotten_);
+  auto graphs = own.initGraphs(used_.size());
   size_t i = 0;
   for (const auto &[hash, use] : used_) {
     auto g = graphs[i++];

@@ -142,7 +142,6 @@ private:
   void handleRun(wire::Run::Reader r, const FrameTail *tail, Reply &reply);
   void handleUpload(wire::Upload::Reader r);
   void handleDownload(wire::Download::Reader r, Reply &reply);
-  void handleRelease(capnp::List<uint64_t>::Reader handles);
   void handleReleaseRanges(capnp::List<uint64_t>::Reader ranges);
 
   /// Runs graph \p r; returns its outputs' metas if the Run asks for them.

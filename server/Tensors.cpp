@@ -47,8 +47,10 @@ void Session::handleDefine(wire::Define::Reader r) {
     defined_[hash] = plan;
     graphBytes_ += plan->bytes;
     refused_.erase(hash);
-    if (ctx_.compiler() && plan->shared && r.hasExecutor() && r.getExecutor().size())
-      ctx_.compiler()->prefer(hash, r.getExecutor());
+    using Executor = wire::Define::Executor;
+    const Executor executor = r.getExecutor();
+    if (ctx_.compiler() && plan->shared && (executor == Executor::INDUCTOR || executor == Executor::PLAN))
+      ctx_.compiler()->prefer(hash, executor == Executor::INDUCTOR ? "inductor" : "plan");
     return;
   }
   std::string error = message(planned.takeError());
@@ -329,7 +331,7 @@ void Session::handleUpload(wire::Upload::Reader r) {
   auto data = r.getData();
   const uint64_t total = r.getTotal(), offset = r.getOffset();
   // The bytes this chunk brings: data itself, or what it decodes to (rgpu/wire/Planes.h).
-  const bool packed = r.getEncoding() == 1;
+  const bool packed = r.getEncoding() == wire::Upload::Encoding::BYTE_PLANES;
   const uint64_t length = packed ? r.getLength() : data.size();
   auto found = partial_.find(handle);
   Partial *earlier = found == partial_.end() ? nullptr : found->second.get();
@@ -347,8 +349,8 @@ void Session::handleUpload(wire::Upload::Reader r) {
   else if (uint64_t(meta.storageBytes()) != total)
     why = "its total of " + std::to_string(total) + " bytes is not its meta's " +
           std::to_string(meta.storageBytes());
-  else if (r.getEncoding() > 1)
-    why = "its encoding " + std::to_string(r.getEncoding()) + " is unknown";
+  else if (!packed && r.getEncoding() != wire::Upload::Encoding::RAW)
+    why = "its encoding " + std::to_string(uint16_t(r.getEncoding())) + " is unknown";
   else if (packed && length > ctx_.limits().uploadChunkBytes)
     why = "its chunk decodes to " + std::to_string(length) + " bytes, more than a chunk's " +
           std::to_string(ctx_.limits().uploadChunkBytes);
@@ -515,15 +517,6 @@ void Session::release(uint64_t handle) {
     staged_ = at::Tensor();
 }
 
-void Session::handleRelease(capnp::List<uint64_t>::Reader handles) {
-  if (handles.size() > ctx_.limits().maxReleaseHandles)
-    throw ProtocolError{"a Release of " + std::to_string(handles.size()) +
-                        " handles, more than the limit of " +
-                        std::to_string(ctx_.limits().maxReleaseHandles)};
-  for (uint64_t h : handles)
-    release(h);
-}
-
 void Session::handleReleaseRanges(capnp::List<uint64_t>::Reader ranges) {
   uint64_t total = 0;
   bool ok = ranges.size() % 2 == 0;
@@ -543,10 +536,6 @@ bool Session::FrameTail::frees(uint64_t handle) const {
     auto c = commands[k];
     if (c.isDownload() && c.getDownload().getHandle() == handle)
       return false;
-    if (c.isRelease())
-      for (uint64_t h : c.getRelease())
-        if (h == handle)
-          return true;
     if (c.isReleaseRanges()) {
       auto r = c.getReleaseRanges();
       for (size_t i = 0; i + 1 < r.size(); i += 2)

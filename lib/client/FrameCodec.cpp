@@ -1,5 +1,8 @@
 #include "FrameCodec.h"
 
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -45,7 +48,9 @@ void FrameEncoder::put(const command::Define &c, wire::Command::Builder b) {
   auto d = b.initDefine();
   wire::encodeHash(c.hash, d.initHash());
   wire::encodeGraph(*c.graph, d.initGraph());
-  d.setExecutor(c.executor);
+  d.setExecutor(c.executor == "inductor" ? wire::Define::Executor::INDUCTOR
+                : c.executor == "plan"   ? wire::Define::Executor::PLAN
+                                         : wire::Define::Executor::SERVER_DECIDES);
 }
 
 void FrameEncoder::put(const command::Run &c, wire::Command::Builder b) {
@@ -70,7 +75,7 @@ void FrameEncoder::put(const command::Upload &c, wire::Command::Builder b) {
   u.setDevice(c.device);
   u.setTotal(c.meta.storageBytes());
   if (!c.encoded.empty()) {
-    u.setEncoding(1);
+    u.setEncoding(wire::Upload::Encoding::BYTE_PLANES);
     u.setLength(c.length);
     u.setData(kj::arrayPtr(reinterpret_cast<const kj::byte *>(c.encoded.data()),
                            c.encoded.size()));
@@ -221,50 +226,12 @@ void FrameEncoder::putRunArgs(const command::Run &c, wire::Run::Builder r) {
 //===----------------------------------------------------------------------===//
 
 namespace {
-/// rgpu.server_stats(): every counter the server sends, by name.
+/// rgpu.server_stats(): the server's counters, copied out of the frame as they are.
 ServerStats decodeStats(wire::ServerStats::Reader st) {
-  ServerStats out;
-  out.planBuilds = st.getPlanBuilds();
-  out.graphsCached = st.getGraphsCached();
-  out.graphRuns = st.getGraphRuns();
-  out.sessions = st.getSessions();
-  out.sessionGraphRuns = st.getSessionGraphRuns();
-  out.sessionExecuteNs = st.getSessionExecuteNs();
-  out.sessionTensors = st.getSessionTensors();
-  out.compiler = st.getCompiler();
-  out.inductorCompiles = st.getInductorCompiles();
-  out.compilesPending = st.getCompilesPending();
-  out.compileFailures = st.getCompileFailures();
-  out.diskCacheHits = st.getDiskCacheHits();
-  out.compiledRuns = st.getCompiledRuns();
-  out.sessionCompiledRuns = st.getSessionCompiledRuns();
-  out.sessionWritesInPlace = st.getSessionWritesInPlace();
-  out.sessionRunsCancelled = st.getSessionRunsCancelled();
-  out.connections = st.getConnections();
-  out.connectionsRefused = st.getConnectionsRefused();
-  out.sessionMemory = st.getSessionMemory();
-  out.sessionMemoryPeak = st.getSessionMemoryPeak();
-  out.sessionMemoryQuota = st.getSessionMemoryQuota();
-  out.sessionMemoryRefused = st.getSessionMemoryRefused();
-  out.memoryHeld = st.getMemoryHeld();
-  out.memoryKept = st.getMemoryKept();
-  out.memoryLimit = st.getMemoryLimit();
-  for (uint64_t m : st.getSessionMemories())
-    out.sessionMemories.push_back(m);
-  out.sessionGraphBytes = st.getSessionGraphBytes();
-  out.graphBudget = st.getGraphBudget();
-  out.graphsForgotten = st.getGraphsForgotten();
-  out.planEvictions = st.getPlanEvictions();
-  out.compiledEvictions = st.getCompiledEvictions();
-  out.diskEvictions = st.getDiskEvictions();
-  out.compilesDropped = st.getCompilesDropped();
-  out.sessionsParked = st.getSessionsParked();
-  out.resumes = st.getResumes();
-  out.sessionsExpired = st.getSessionsExpired();
-  for (auto g : st.getGraphs())
-    out.graphs.push_back({wire::decodeHash(g.getHash()), g.getNodes(), g.getRuns(),
-                          g.getExecuteNs(), g.getBuildNs(), g.getExecutor(), g.getCompiledRuns()});
-  return out;
+  capnp::MallocMessageBuilder copy;
+  copy.setRoot(st);
+  kj::Array<capnp::word> words = capnp::messageToFlatArray(copy);
+  return {std::string(words.asChars().begin(), words.asChars().end())};
 }
 } // namespace
 

@@ -78,7 +78,7 @@ GraphCutter::Cut GraphCutter::collect(const LiveTensors &live) {
   using Output = std::pair<TraceNode *, uint32_t>;
   auto aliased = [](TraceNode *node, uint32_t index) -> std::optional<Output> {
     llvm::StringRef op = node->node.op.str();
-    if ((op != "aten::detach_copy" && op != "aten::alias_copy") || node->inputs.size() != 1 ||
+    if (!ir::opFacts(op).has(ir::OpFact::Alias) || node->inputs.size() != 1 ||
         !node->inputs[0].pending())
       return std::nullopt;
     const Value &in = node->inputs[0];

@@ -1,5 +1,4 @@
 #include "Recorder.h"
-#include "OpTables.h"
 
 #include "rgpu/client/Generator.h"
 #include "rgpu/client/KnownValues.h"
@@ -27,10 +26,7 @@ using bridge::metaOf;
 /// raise nothing the server would raise later: one bool mask after only Nones, of exactly the
 /// sizes of the dimensions it covers, and a value of self's dtype, of one element and at most
 /// one dimension (which broadcasts to any count, zero too).
-bool maskNeedsNoCount(llvm::StringRef name, c10::ArrayRef<c10::IValue> args) {
-  if (name != "aten::index_put" && name != "aten::index_put_" &&
-      name != "aten::_index_put_impl" && name != "aten::_index_put_impl_")
-    return false;
+bool maskNeedsNoCount(c10::ArrayRef<c10::IValue> args) {
   if (args.size() < 3 || !args[0].isTensor() || !args[1].isList() || !args[2].isTensor())
     return false;
   const at::Tensor &self = args[0].toTensor(), &values = args[2].toTensor();
@@ -111,7 +107,7 @@ public:
     meta_.reserve(args.size());
     for (size_t i = 0; i < args.size(); ++i)
       addArg(args[i], info_.args[i], schema.arguments()[i]);
-    if (dataDependent && maskNeedsNoCount(info_.name.name, args))
+    if (dataDependent && info_.maskAssignment && maskNeedsNoCount(args))
       dataDependent = false;
   }
 
@@ -541,11 +537,14 @@ OpInfo::OpInfo(const c10::OperatorHandle &op) : name(op.operator_name()) {
   llvm::StringRef n = name.name;
   symbol = ir::Symbol::get(fullName(op));
   mutableSchema = op.schema().is_mutable();
-  otherLayouts = producesOtherLayouts(n);
-  dataDependent = isDataDependent(n);
-  followsScalars = shapeFollowsScalars(n);
-  acceptsCpu = acceptsCpuTensors(n);
-  crossesDevices = rgpu::client::crossesDevices(n);
+  const ir::OpFacts facts = ir::opFacts(n);
+  otherLayouts = facts.has(ir::OpFact::OtherLayout);
+  dataDependent = facts.has(ir::OpFact::DataDependent);
+  maskAssignment = facts.has(ir::OpFact::MaskAssignment);
+  followsScalars = facts.has(ir::OpFact::ShapeFollowsScalars);
+  acceptsCpu = facts.has(ir::OpFact::AcceptsCpuTensors);
+  crossesDevices = facts.has(ir::OpFact::CrossesDevices);
+  special = ir::specialOp(n);
   const auto &returns = op.schema().returns();
   viewOp = !returns.empty() && returns[0].alias_info() && !returns[0].alias_info()->isWrite();
   anyView = viewOp || bridge::viewOf(name).has_value();

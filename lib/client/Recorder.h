@@ -37,12 +37,15 @@ struct OpInfo {
   c10::OperatorName name; ///< An operator registered after another was removed may reuse its
                           ///< schema's address: the name is compared too.
   ir::Symbol symbol;
-  bool mutableSchema, otherLayouts, dataDependent, followsScalars, acceptsCpu,
+  /// What the op-facts table (rgpu/ir/OpFacts.h) says of it, read once per operator.
+  bool mutableSchema, otherLayouts, dataDependent, maskAssignment, followsScalars, acceptsCpu,
       crossesDevices, viewOp;
   /// A view op, or the *_copy op functionalization runs for one.
   bool anyView;
   /// Draws random numbers (see ir::Node::random).
   bool random;
+  /// The tracer's own handling of it, if any.
+  ir::SpecialOp special;
   /// Its results may be computed here (KnownValues.h).
   bool knowable;
   std::vector<ArgInfo> args;

@@ -213,40 +213,38 @@ private:
   c10::SafeKernelFunction composite_;
 };
 
-/// CompositeImplicitAutograd ops decompose above autograd, into several ops each traced on its
-/// own: linear on a 3-d input is a view, a transpose, addmm and another view, four trips
-/// through autograd, functionalization and the tracer, and four nodes for the server. Under
-/// torch.no_grad (inference, generation) nothing needs the decomposition, so these ops are
-/// recorded whole there, and the server runs the op itself. Only ops whose result never
-/// aliases an argument and which write nothing are listed (not einsum, which may answer a
-/// view, nor batch_norm, which writes its running statistics).
-/// repeat_interleave with an integer count is two views, a clone and a view; recorded whole,
-/// its output length would no longer be tied to its input's in a symbolic graph (Inductor then
-/// compiles it for one length), so its composite runs below functionalization instead, where
-/// the views are traced as views without a wrapper, a meta twin or autograd's bookkeeping.
+/// CompositeImplicitAutograd ops decompose above autograd, into several ops each traced on its own:
+/// linear on a 3-d input is a view, a transpose, addmm and another view, four trips through
+/// autograd, functionalization and the tracer, and four nodes for the server. Under torch.no_grad
+/// (inference, generation) nothing needs the decomposition, so these ops are recorded whole there,
+/// and the server runs the op itself. Only ops whose result never aliases an argument and which
+/// write nothing are listed in the op-facts table (not einsum, which may answer a view, nor
+/// batch_norm, which writes its running statistics).
+/// repeat_interleave with an integer count is two views, a clone and a view; recorded whole, its
+/// output length would no longer be tied to its input's in a symbolic graph (Inductor then compiles
+/// it for one length), so its composite runs below functionalization instead, where the views are
+/// traced as views without a wrapper, a meta twin or autograd's bookkeeping.
 void registerWholeWithoutGrad(torch::Library &backend) {
   static torch::Library *autograd = new torch::Library(
       torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse1, __FILE__, __LINE__);
   auto &dispatcher = c10::Dispatcher::singleton();
-  struct Listed {
-    const char *name, *overload;
-    bool whole; ///< one node; else the composite runs below functionalization
-  };
-  const Listed ops[] = {{"linear", "", true},     {"matmul", "", true},
-                        {"layer_norm", "", true}, {"group_norm", "", true},
-                        {"bilinear", "", true},   {"repeat_interleave", "self_int", false}};
-  for (const Listed &l : ops) {
-    auto op = dispatcher.findOp({std::string("aten::") + l.name, l.overload});
+  // The op-facts table lists them: CompositeWithoutGrad, and RecordedWhole for one node (else
+  // the composite runs below functionalization).
+  for (const std::string &listed : ir::opsWith(ir::OpFact::CompositeWithoutGrad)) {
+    auto [full, overload] = llvm::StringRef(listed).split('.');
+    auto op = dispatcher.findOp({full.str(), overload == "default" ? "" : overload.str()});
     if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
         op->hasKernelForDispatchKey(c10::DispatchKey::AutogradPrivateUse1))
       continue;
     // Taken before the registrations below change what rgpu's autograd key computes to.
     c10::SafeKernelFunction composite =
         op->getComputedKernelForDispatchKey(c10::DispatchKey::AutogradPrivateUse1);
-    const std::string name = *l.overload ? std::string(l.name) + "." + l.overload : l.name;
+    std::string name = full.drop_front(6).str(); // registered without "aten::"
+    if (overload != "default")
+      name += "." + overload.str();
     autograd->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(
                                      std::make_unique<WholeWithoutGrad>(std::move(composite))));
-    if (l.whole)
+    if (ir::opFacts(listed).has(ir::OpFact::RecordedWhole))
       backend.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
 }

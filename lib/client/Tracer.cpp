@@ -4,8 +4,8 @@
 // functional. The kernel records it (Recorder.h): it runs the same op on meta tensors to learn
 // output sizes, strides and dtype (shape errors raise right here, with PyTorch's own message,
 // without contacting the server), then appends a node to the trace and returns lazy tensors for
-// its outputs. What the tracer knows of ops by name is in OpTables.h; the ops that move data
-// between the client and the server are the special cases below.
+// its outputs. What the tracer knows of ops by name is in the op-facts table (rgpu/ir/OpFacts.h);
+// the ops that move data between the client and the server are its special ops, below.
 //
 //===----------------------------------------------------------------------===//
 #include "Recorder.h"
@@ -69,19 +69,21 @@ at::Tensor download(const at::Tensor &t) {
 }
 
 /// The special cases. Returns true if it handled the op.
-bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+bool special(ir::SpecialOp kind, const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+  if (kind == ir::SpecialOp::None)
+    return false;
   const size_t nargs = op.schema().arguments().size();
   auto args = torch::jit::last(*stack, nargs);
 
   // Download: .item(), bool(), and everything that reads one value.
-  if (name == "aten::_local_scalar_dense") {
+  if (kind == ir::SpecialOp::ReadScalar) {
     c10::Scalar s = download(args[0].toTensor()).item();
     torch::jit::drop(*stack, nargs);
     stack->emplace_back(s);
     return true;
   }
   // torch.equal answers a Python bool: same sizes, then an all-equal reduction read back.
-  if (name == "aten::equal") {
+  if (kind == ir::SpecialOp::Equal) {
     const at::Tensor &a = args[0].toTensor(), &b = args[1].toTensor();
     bool same = a.sizes() == b.sizes() && (a == b).all().item<bool>();
     torch::jit::drop(*stack, nargs);
@@ -89,7 +91,7 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
     return true;
   }
   // Download: .cpu(), .to("cpu"), .tolist(), printing.
-  if (name == "aten::_to_copy") {
+  if (kind == ir::SpecialOp::ToCopy) {
     auto device = args[3].toOptional<c10::Device>();
     const at::Tensor &self = args[0].toTensor();
     if (!lazyImpl(self)) {
@@ -117,7 +119,7 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
     return true;
   }
   // Download into an existing CPU tensor: cpu_tensor.copy_(rgpu_tensor).
-  if (name == "aten::_copy_from" || name == "aten::_copy_from_and_resize") {
+  if (kind == ir::SpecialOp::CopyFrom || kind == ir::SpecialOp::CopyFromAndResize) {
     at::Tensor src = args[0].toTensor(), dst = args[1].toTensor();
     if (LazyTensorImpl *target = lazyImpl(dst)) {
       // Into an rgpu tensor (a composite kernel's copy_): trace the functional copy and let the
@@ -132,7 +134,7 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
     TORCH_CHECK(lazyImpl(src) && dst.device().is_cpu(),
                 "rgpu: unsupported copy from ", src.device(), " to ", dst.device());
     at::Tensor cpu = download(src);
-    if (name == "aten::_copy_from_and_resize")
+    if (kind == ir::SpecialOp::CopyFromAndResize)
       dst.resize_(cpu.sizes());
     dst.copy_(cpu);
     torch::jit::drop(*stack, nargs);
@@ -141,7 +143,7 @@ bool special(llvm::StringRef name, const c10::OperatorHandle &op, torch::jit::St
   }
   // Upload: x.to("rgpu") is empty() followed by copy() from the CPU tensor. When the copy
   // replaces the whole tensor, the uploaded data is the result.
-  if (name == "aten::copy") {
+  if (kind == ir::SpecialOp::Copy) {
     at::Tensor self = args[0].toTensor(), src = args[1].toTensor();
     if (!src.device().is_cpu() || lazyImpl(src) || src.sizes() != self.sizes() ||
         src.scalar_type() != self.scalar_type())
@@ -255,7 +257,7 @@ void fallback(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
   Session::Lock lock(session);
   const auto &schema = op.schema();
   const OpInfo &info = OpInfo::of(op);
-  if (special(op.operator_name().name, op, stack))
+  if (special(info.special, op, stack))
     return;
   TORCH_CHECK_NOT_IMPLEMENTED(!info.otherLayouts, "rgpu: ", fullName(op),
                               " makes a non-strided tensor; rgpu supports strided tensors only");

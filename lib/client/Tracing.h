@@ -2,7 +2,7 @@
 //
 // The tracer is one boxed kernel (`fallback`, Tracer.cpp) that every op on an rgpu tensor
 // reaches after autograd and functionalization, with the parts it leans on beside it: the
-// recorder and its meta cache (Recorder.h), the op tables (OpTables.h), the kernels for ops
+// recorder and its meta cache (Recorder.h), the kernels for ops
 // defined outside aten (CustomOps.cpp), the device hooks (DeviceHooks.cpp) and the dispatcher
 // registrations (Registrations.cpp).
 //

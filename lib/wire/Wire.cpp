@@ -83,7 +83,7 @@ void encodeGraph(const ir::Graph &g, Graph::Builder b) {
   auto scalars = b.initScalars(g.scalars.size());
   for (size_t i = 0; i < g.scalars.size(); ++i) {
     scalars[i].setDtype(g.scalars[i].dtype);
-    scalars[i].setForm(uint8_t(g.scalars[i].form));
+    scalars[i].setForm(wire::ScalarForm(g.scalars[i].form));
   }
   auto nodes = b.initNodes(g.nodes.size());
   for (size_t n = 0; n < g.nodes.size(); ++n) {
@@ -146,8 +146,11 @@ std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g, OpC
     if (!decodeMeta(m, g.inputs.back()))
       return "malformed input tensor meta";
   }
-  for (auto s : r.getScalars())
-    g.scalars.push_back({s.getDtype(), ir::ScalarForm(s.getForm())});
+  for (auto s : r.getScalars()) {
+    // An enumerant this side does not know stays one the verifier refuses (not truncated).
+    const uint16_t form = uint16_t(s.getForm());
+    g.scalars.push_back({s.getDtype(), ir::ScalarForm(form > 0xff ? 0xff : form)});
+  }
   g.locations.clear();
   for (auto l : r.getLocations())
     g.locations.push_back(l);

@@ -43,9 +43,16 @@ struct Node {
 
 struct ScalarSlot {
   dtype @0 :Int8;
-  form @1 :UInt8;         # 0 Scalar, 1 wrapped-number tensor, 2 0-dim tensor, 3 generator
-                          # (int64: the id of a GeneratorRequest's generator, for a Generator?
-                          # argument)
+  form @1 :ScalarForm;
+}
+
+# How a scalar slot's value reaches its op (ir::ScalarForm).
+enum ScalarForm {
+  scalar @0;              # a Python number in a Scalar argument
+  wrappedNumber @1;       # the 0-dim CPU tensor PyTorch makes of a Python number in `x * 2.0`
+  tensor0d @2;            # a real 0-dim CPU tensor
+  generator @3;           # an int64: the id of a GeneratorRequest's generator, for a
+                          # Generator? argument
 }
 
 # An integer of a symbolic graph: coef * (product of the symbols named) + offset.
@@ -105,7 +112,13 @@ struct Challenge {
 struct Define {
   hash @0 :Hash;
   graph @1 :Graph;
-  executor @2 :Text;      # "" (the server decides), "inductor" (compile now) or "plan"
+  executor @2 :Executor;
+
+  enum Executor {
+    serverDecides @0;
+    inductor @1;          # compile now
+    plan @2;              # never compile
+  }
 }
 
 struct Run {
@@ -139,9 +152,14 @@ struct Upload {
   total @3 :UInt64;      # bytes of the whole tensor
   data @4 :Data;
   device @5 :UInt8;      # rgpu:device, an index into HelloReply.devices
-  encoding @6 :UInt8;    # 0: data is the chunk's bytes; 1: data is them compressed by byte
-                         # plane (rgpu/wire/Planes.h), elements of the meta's dtype
-  length @7 :UInt64;     # with encoding 1, the bytes of the chunk that data decodes to
+  encoding @6 :Encoding;
+  length @7 :UInt64;     # with bytePlanes, the bytes of the chunk that data decodes to
+
+  enum Encoding {
+    raw @0;              # data is the chunk's bytes
+    bytePlanes @1;       # data is them compressed by byte plane (rgpu/wire/Planes.h), elements
+                         # of the meta's dtype
+  }
 }
 
 struct Download {
@@ -158,20 +176,19 @@ struct Command {
     run @2 :Run;
     upload @3 :Upload;
     download @4 :Download;
-    release @5 :List(UInt64);
-    seed @6 :UInt64;
-    sync @7 :Void;
-    stats @8 :Void;      # answered with the server's counters
-    forget @9 :List(Hash); # graphs this session no longer needs (see HelloReply.graphBudget)
-    bye @10 :Void;       # the client is done: end the session now, keep nothing for a resume
-    releaseRanges @11 :List(UInt64); # pairs (first, count): releases handles first..first+count-1
-    memory @12 :MemoryRequest; # answered with the server device's DeviceMemory
-    hostStore @13 :Void;  # start a rendezvous store for a job spread over servers (one
+    seed @5 :UInt64;
+    sync @6 :Void;
+    stats @7 :Void;      # answered with the server's counters
+    forget @8 :List(Hash); # graphs this session no longer needs (see HelloReply.graphBudget)
+    bye @9 :Void;        # the client is done: end the session now, keep nothing for a resume
+    releaseRanges @10 :List(UInt64); # pairs (first, count): releases handles first..first+count-1
+    memory @11 :MemoryRequest; # answered with the server device's DeviceMemory
+    hostStore @12 :Void;  # start a rendezvous store for a job spread over servers (one
                           # server of the job does); answered with its "host:port" (text)
-    joinGroup @14 :JoinGroup; # answered with the group's name for this session's graphs (text)
-    rngState @15 :RngStateRequest; # answered with the generator's state (rngState)
-    generator @16 :GeneratorRequest; # makes, seeds or drops a generator of this session
-    cancel @17 :Void;    # the user interrupted (Ctrl-C, rgpu.cancel()): every Run of this
+    joinGroup @13 :JoinGroup; # answered with the group's name for this session's graphs (text)
+    rngState @14 :RngStateRequest; # answered with the generator's state (rngState)
+    generator @15 :GeneratorRequest; # makes, seeds or drops a generator of this session
+    cancel @16 :Void;    # the user interrupted (Ctrl-C, rgpu.cancel()): every Run of this
                          # session's earlier frames is cancelled (see Run.restores). Its frame
                          # has the header flag net::kFlagCancel, so the server's I/O loop sees
                          # it as it arrives, while earlier frames still run
@@ -319,44 +336,52 @@ struct GraphStats {
   compiledRuns @6 :UInt64;  # of this session's runs, those that ran compiled code
 }
 
+# rgpu.server_stats(): the server's counters. The client turns this struct into a Python dict
+# through Cap'n Proto's dynamic API (python/src/_C.cpp), so a new counter is a field here and
+# a line in the server that sets it: each field becomes a key in snake_case, a field ending
+# in Ns becomes one ending in _ms (milliseconds), a Hash its hex digest, a struct a dict.
 struct ServerStats {
   planBuilds @0 :UInt64;
   graphsCached @1 :UInt64;
   graphRuns @2 :UInt64;
   sessions @3 :UInt64;
-  sessionGraphRuns @4 :UInt64;
-  sessionExecuteNs @5 :UInt64;
-  sessionTensors @6 :UInt64;
-  graphs @7 :List(GraphStats);   # the graphs this session ran
-  compiler @8 :Text;             # the server's --compiler
-  inductorCompiles @9 :UInt64;   # finished compiles
-  compilesPending @10 :UInt64;   # queued or running
-  compileFailures @11 :UInt64;
-  diskCacheHits @12 :UInt64;     # packages loaded from --cache-dir instead of compiled
-  compiledRuns @13 :UInt64;      # runs of compiled code, all sessions
-  sessionCompiledRuns @14 :UInt64;
-  connections @15 :UInt64;         # open now, authenticated or not
-  connectionsRefused @16 :UInt64;  # closed unserved: limits, failed authentication, timeouts
-  sessionMemory @17 :UInt64;       # bytes this session holds (see server/Memory.h)
-  sessionMemoryPeak @18 :UInt64;
-  sessionMemoryQuota @19 :UInt64;  # --session-memory; 0: none
-  sessionMemoryRefused @20 :UInt64; # this session's allocations refused by a quota or limit
-  memoryHeld @21 :UInt64;          # bytes held by all sessions
-  memoryLimit @22 :UInt64;         # --memory-limit; 0: none
-  sessionMemories @23 :List(UInt64); # bytes held by each session, largest first
-  sessionGraphBytes @24 :UInt64;   # graphs this session holds defined, in ir::graphBytes
-  graphBudget @25 :UInt64;         # --graph-memory
-  graphsForgotten @26 :UInt64;     # by this session's Forgets
-  planEvictions @27 :UInt64;       # plans dropped from the server's cache (--plan-cache)
-  compiledEvictions @28 :UInt64;   # compiled packages unloaded (--compiled-cache)
-  diskEvictions @29 :UInt64;       # packages deleted from --cache-dir (--disk-cache)
-  compilesDropped @30 :UInt64;     # compiles not queued: the queue was full (--compile-queue)
-  sessionsParked @31 :UInt64;      # disconnected sessions kept for a resume (--session-grace)
-  resumes @32 :UInt64;             # sessions resumed on a new connection
-  sessionsExpired @33 :UInt64;     # parked sessions dropped when their grace passed
-  memoryKept @34 :UInt64;          # freed blocks sessions keep for their own reuse
-  sessionWritesInPlace @35 :UInt64; # compiled writes into a released input's own buffer
-  sessionRunsCancelled @36 :UInt64; # this session's runs a Cancel stopped or skipped
+  compiler @4 :Text;               # the server's --compiler
+  inductorCompiles @5 :UInt64;     # finished compiles
+  compilesPending @6 :UInt64;      # queued or running
+  compileFailures @7 :UInt64;
+  diskCacheHits @8 :UInt64;        # packages loaded from --cache-dir instead of compiled
+  compiledRuns @9 :UInt64;         # runs of compiled code, all sessions
+  connections @10 :UInt64;         # open now, authenticated or not
+  connectionsRefused @11 :UInt64;  # closed unserved: limits, failed authentication, timeouts
+  memoryHeld @12 :UInt64;          # bytes held by all sessions
+  memoryKept @13 :UInt64;          # freed blocks sessions keep for their own reuse
+  memoryLimit @14 :UInt64;         # --memory-limit; 0: none
+  sessionMemories @15 :List(UInt64); # bytes held by each session, largest first
+  planEvictions @16 :UInt64;       # plans dropped from the server's cache (--plan-cache)
+  compiledEvictions @17 :UInt64;   # compiled packages unloaded (--compiled-cache)
+  diskEvictions @18 :UInt64;       # packages deleted from --cache-dir (--disk-cache)
+  compilesDropped @19 :UInt64;     # compiles not queued: the queue was full (--compile-queue)
+  sessionsParked @20 :UInt64;      # disconnected sessions kept for a resume (--session-grace)
+  resumes @21 :UInt64;             # sessions resumed on a new connection
+  sessionsExpired @22 :UInt64;     # parked sessions dropped when their grace passed
+  session @23 :SessionStats;       # the asking session's own
+}
+
+struct SessionStats {
+  graphRuns @0 :UInt64;
+  executeNs @1 :UInt64;
+  tensors @2 :UInt64;
+  compiledRuns @3 :UInt64;
+  writesInPlace @4 :UInt64;        # compiled writes into a released input's own buffer
+  runsCancelled @5 :UInt64;        # runs a Cancel stopped or skipped
+  memory @6 :UInt64;               # bytes this session holds (see server/Memory.h)
+  memoryPeak @7 :UInt64;
+  memoryQuota @8 :UInt64;          # --session-memory; 0: none
+  allocationsRefused @9 :UInt64;   # allocations refused by a quota or limit
+  graphBytes @10 :UInt64;          # graphs this session holds defined, in ir::graphBytes
+  graphBudget @11 :UInt64;         # --graph-memory
+  graphsForgotten @12 :UInt64;     # by this session's Forgets
+  graphs @13 :List(GraphStats);    # the graphs this session ran
 }
 
 struct ServerFrame {

@@ -9,17 +9,22 @@
 #include "rgpu/client/MetaKernels.h"
 #include "rgpu/client/Session.h"
 #include "rgpu/client/Versions.h"
+#include "rgpu/wire/Wire.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 
+#include <capnp/dynamic.h>
+#include <capnp/serialize.h>
 #include <frameobject.h>
 
 #include <llvm/ADT/DenseMap.h>
 
 #include <atomic>
+#include <cctype>
+#include <cstring>
 #include <unordered_map>
 
 namespace py = pybind11;
@@ -195,6 +200,63 @@ uint32_t userLocation() {
   else
     id = publicLocation();
   return withFallback(id);
+}
+
+} // namespace
+
+namespace {
+
+/// A Cap'n Proto value as Python data, by the rules rgpu.capnp's ServerStats states: structs
+/// become dicts keyed by their fields in snake_case, a field ending in Ns one ending in _ms (in
+/// milliseconds), a Hash its hex digest. A counter added to the schema reaches Python unnamed
+/// here.
+py::object toPython(const capnp::DynamicValue::Reader &value);
+
+py::object structToPython(const capnp::DynamicStruct::Reader &s) {
+  if (s.getSchema() == capnp::Schema::from<rgpu::wire::Hash>())
+    return py::str(rgpu::wire::decodeHash(s.as<rgpu::wire::Hash>()).hex());
+  py::dict out;
+  for (capnp::StructSchema::Field field : s.getSchema().getFields()) {
+    llvm::StringRef camel(field.getProto().getName().cStr());
+    std::string key;
+    for (char c : camel) {
+      if (std::isupper(static_cast<unsigned char>(c))) {
+        key += '_';
+        c = char(std::tolower(static_cast<unsigned char>(c)));
+      }
+      key += c;
+    }
+    capnp::DynamicValue::Reader v = s.get(field);
+    if (llvm::StringRef(key).endswith("_ns") && v.getType() == capnp::DynamicValue::UINT) {
+      out[py::str(key.substr(0, key.size() - 3) + "_ms")] = double(v.as<uint64_t>()) / 1e6;
+      continue;
+    }
+    out[py::str(key)] = toPython(v);
+  }
+  return std::move(out);
+}
+
+py::object toPython(const capnp::DynamicValue::Reader &value) {
+  switch (value.getType()) {
+  case capnp::DynamicValue::BOOL: return py::bool_(value.as<bool>());
+  case capnp::DynamicValue::INT: return py::int_(value.as<int64_t>());
+  case capnp::DynamicValue::UINT: return py::int_(value.as<uint64_t>());
+  case capnp::DynamicValue::FLOAT: return py::float_(value.as<double>());
+  case capnp::DynamicValue::TEXT: return py::str(value.as<capnp::Text>().cStr());
+  case capnp::DynamicValue::STRUCT: return structToPython(value.as<capnp::DynamicStruct>());
+  case capnp::DynamicValue::LIST: {
+    py::list out;
+    for (capnp::DynamicValue::Reader element : value.as<capnp::DynamicList>())
+      out.append(toPython(element));
+    return std::move(out);
+  }
+  default: return py::none();
+  }
+}
+
+/// rgpu.server_stats()'s dict.
+py::object capnpToPython(rgpu::wire::ServerStats::Reader stats) {
+  return structToPython(capnp::toDynamic(stats));
 }
 
 } // namespace
@@ -499,63 +561,16 @@ PYBIND11_MODULE(_C, m) {
     return out;
   }, py::arg("device") = 0, py::arg("reset_peak") = false, py::arg("empty_cache") = false);
   m.def("server_stats", []() {
-    rgpu::client::ServerStats st;
+    ServerStats stats;
     {
       py::gil_scoped_release release;
-      st = Session::get().serverStats();
+      stats = Session::get().serverStats();
     }
-    py::dict session, out;
-    session["graph_runs"] = st.sessionGraphRuns;
-    session["execute_ms"] = st.sessionExecuteNs / 1e6;
-    session["tensors"] = st.sessionTensors;
-    session["compiled_runs"] = st.sessionCompiledRuns;
-    session["writes_in_place"] = st.sessionWritesInPlace;
-    session["runs_cancelled"] = st.sessionRunsCancelled;
-    session["memory"] = st.sessionMemory;
-    session["memory_peak"] = st.sessionMemoryPeak;
-    session["memory_quota"] = st.sessionMemoryQuota;
-    session["allocations_refused"] = st.sessionMemoryRefused;
-    session["graph_bytes"] = st.sessionGraphBytes;
-    session["graph_budget"] = st.graphBudget;
-    session["graphs_forgotten"] = st.graphsForgotten;
-    py::list graphs;
-    for (const auto &g : st.graphs) {
-      py::dict d;
-      d["hash"] = g.hash.hex();
-      d["nodes"] = g.nodes;
-      d["runs"] = g.runs;
-      d["execute_ms"] = g.executeNs / 1e6;
-      d["build_ms"] = g.buildNs / 1e6;
-      d["executor"] = g.executor;
-      d["compiled_runs"] = g.compiledRuns;
-      graphs.append(d);
-    }
-    session["graphs"] = graphs;
-    out["plan_builds"] = st.planBuilds;
-    out["graphs_cached"] = st.graphsCached;
-    out["graph_runs"] = st.graphRuns;
-    out["sessions"] = st.sessions;
-    out["compiler"] = st.compiler;
-    out["inductor_compiles"] = st.inductorCompiles;
-    out["compiles_pending"] = st.compilesPending;
-    out["compile_failures"] = st.compileFailures;
-    out["disk_cache_hits"] = st.diskCacheHits;
-    out["compiled_runs"] = st.compiledRuns;
-    out["connections"] = st.connections;
-    out["connections_refused"] = st.connectionsRefused;
-    out["memory_held"] = st.memoryHeld;
-    out["memory_kept"] = st.memoryKept;
-    out["memory_limit"] = st.memoryLimit;
-    out["session_memories"] = st.sessionMemories;
-    out["plan_evictions"] = st.planEvictions;
-    out["compiled_evictions"] = st.compiledEvictions;
-    out["disk_evictions"] = st.diskEvictions;
-    out["compiles_dropped"] = st.compilesDropped;
-    out["sessions_parked"] = st.sessionsParked;
-    out["resumes"] = st.resumes;
-    out["sessions_expired"] = st.sessionsExpired;
-    out["session"] = session;
-    return out;
+    kj::Array<capnp::word> words = kj::heapArray<capnp::word>(stats.message.size() /
+                                                              sizeof(capnp::word));
+    std::memcpy(words.begin(), stats.message.data(), words.asBytes().size());
+    capnp::FlatArrayMessageReader reader(words);
+    return capnpToPython(reader.getRoot<rgpu::wire::ServerStats>());
   });
   m.def("download_together",
         [](std::vector<at::Tensor> tensors) { Session::get().downloadTogether(std::move(tensors)); },

@@ -231,9 +231,11 @@ public:
       down.setHandle(out);
       wire::encodeMeta(vec3(), down.initMeta());
       // Released, so that a client looping on this holds constant memory on the server.
-      auto release = cmds[4].initRelease(2);
+      auto release = cmds[4].initReleaseRanges(4); // (first, count) pairs
       release.set(0, in);
-      release.set(1, out);
+      release.set(1, 1);
+      release.set(2, out);
+      release.set(3, 1);
     });
     return reply ? vec3Of(*reply) : std::vector<float>();
   }
@@ -623,7 +625,7 @@ TEST(Faults, CompressedUploadsAreCheckedBeforeAByteIsTrusted) {
     auto reply = bad.send(true, 1, [&](auto cmds) {
       uploadChunk(cmds[0], ++h, c.meta, c.meta.storageBytes(), 0,
                   kj::arrayPtr(reinterpret_cast<const kj::byte *>(c.data.data()), c.data.size()));
-      cmds[0].getUpload().setEncoding(c.encoding);
+      cmds[0].getUpload().setEncoding(wire::Upload::Encoding(c.encoding));
       cmds[0].getUpload().setLength(c.length);
     });
     ASSERT_TRUE(reply) << c.why;
@@ -636,7 +638,7 @@ TEST(Faults, CompressedUploadsAreCheckedBeforeAByteIsTrusted) {
   auto reply = bad.send(true, 2, [&](auto cmds) {
     uploadChunk(cmds[0], ++h, meta, meta.storageBytes(), 0,
                 kj::arrayPtr(reinterpret_cast<const kj::byte *>(packed.data()), packed.size()));
-    cmds[0].getUpload().setEncoding(1);
+    cmds[0].getUpload().setEncoding(wire::Upload::Encoding::BYTE_PLANES);
     cmds[0].getUpload().setLength(meta.storageBytes());
     auto down = cmds[1].initDownload();
     down.setHandle(h);
@@ -801,8 +803,8 @@ TEST(Faults, PoisonedHandlesAreChargedAndCappedPerSession) {
   auto held = [&] { // (handles, bytes) the session holds
     auto r = bad.send(true, 1, [](auto cmds) { cmds[0].setStats(); });
     auto message = net::openFrame(*r, wire::Limits());
-    auto stats = message->getRoot<wire::ServerFrame>().getResults()[0].getStats();
-    return std::make_pair(stats.getSessionTensors(), stats.getSessionMemory());
+    auto stats = message->getRoot<wire::ServerFrame>().getResults()[0].getStats().getSession();
+    return std::make_pair(stats.getTensors(), stats.getMemory());
   };
   EXPECT_EQ(held().first, 1u << 20);
   EXPECT_GE(held().second, (uint64_t(1) << 20) * 96);
@@ -1237,10 +1239,15 @@ TEST(Faults, FramesAskingForTooMuchAreRefusedByTheirNamedLimits) {
     Peer bad;
     bad.hello();
     auto reply = bad.send(
-        true, 1, [](auto cmds) { cmds[0].initRelease(wire::Limits().maxReleaseHandles + 1); },
+        true, 1,
+        [](auto cmds) {
+          auto ranges = cmds[0].initReleaseRanges(2);
+          ranges.set(0, 1);
+          ranges.set(1, wire::Limits().maxReleaseHandles + 1);
+        },
         /*pack=*/false);
     ASSERT_TRUE(reply);
-    EXPECT_NE(Peer::errorOf(*reply).find("handles, more than the limit"), std::string::npos)
+    EXPECT_NE(Peer::errorOf(*reply).find("name more than"), std::string::npos)
         << Peer::errorOf(*reply);
   }
   {
@@ -1478,9 +1485,9 @@ TEST(Faults, ACancelStopsOnlyItsOwnSessionsEarlierFrames) {
   EXPECT_LT(bSeconds, 2.0) << "a Cancel did not stop its session's queued runs";
   auto stats = net::openFrame(*bReply, wire::Limits())->getRoot<wire::ServerFrame>();
   ASSERT_EQ(stats.getResults().size(), 1u);
-  auto bStats = stats.getResults()[0].getStats();
-  EXPECT_GE(bStats.getSessionRunsCancelled(), 398u);
-  EXPECT_EQ(bStats.getSessionRunsCancelled() + bStats.getSessionGraphRuns(), 400u);
+  auto bStats = stats.getResults()[0].getStats().getSession();
+  EXPECT_GE(bStats.getRunsCancelled(), 398u);
+  EXPECT_EQ(bStats.getRunsCancelled() + bStats.getGraphRuns(), 400u);
   // A later frame of b runs: the Cancel covers only the frames before it.
   ASSERT_TRUE(b.send(false, 1, runs(h)));
   auto later = b.send(true, 1, [](auto cmds) { cmds[0].setStats(); });
@@ -1488,16 +1495,16 @@ TEST(Faults, ACancelStopsOnlyItsOwnSessionsEarlierFrames) {
   EXPECT_EQ(net::openFrame(*later, wire::Limits())
                 ->getRoot<wire::ServerFrame>()
                 .getResults()[0]
-                .getStats()
-                .getSessionGraphRuns(),
-            bStats.getSessionGraphRuns() + 1);
+                .getStats().getSession()
+                .getGraphRuns(),
+            bStats.getGraphRuns() + 1);
   // a's runs all ran.
   auto aReply = a.send(true, 1, [](auto cmds) { cmds[0].setStats(); });
   ASSERT_TRUE(aReply);
   auto aStats =
-      net::openFrame(*aReply, wire::Limits())->getRoot<wire::ServerFrame>().getResults()[0].getStats();
-  EXPECT_EQ(aStats.getSessionGraphRuns(), 20u);
-  EXPECT_EQ(aStats.getSessionRunsCancelled(), 0u);
+      net::openFrame(*aReply, wire::Limits())->getRoot<wire::ServerFrame>().getResults()[0].getStats().getSession();
+  EXPECT_EQ(aStats.getGraphRuns(), 20u);
+  EXPECT_EQ(aStats.getRunsCancelled(), 0u);
   expectGoodSessionUnaffected();
 }
 
@@ -1518,13 +1525,13 @@ TEST(Faults, ACancelFlagBeforeTheHelloOrOnALargeFrameIsNoCancel) {
   }));
   ASSERT_TRUE(big.send(false, 2, [](auto cmds) {
     cmds[0].setCancel();
-    cmds[1].initRelease(64); // 512 bytes of handles
+    cmds[1].initReleaseRanges(64); // 512 bytes of empty ranges
   }, /*pack=*/false, true, net::kFlagCancel));
   auto reply = big.send(true, 1, [](auto cmds) { cmds[0].setStats(); });
   ASSERT_TRUE(reply);
-  auto st = net::openFrame(*reply, wire::Limits())->getRoot<wire::ServerFrame>().getResults()[0].getStats();
-  EXPECT_EQ(st.getSessionGraphRuns(), 20u);
-  EXPECT_EQ(st.getSessionRunsCancelled(), 0u);
+  auto st = net::openFrame(*reply, wire::Limits())->getRoot<wire::ServerFrame>().getResults()[0].getStats().getSession();
+  EXPECT_EQ(st.getGraphRuns(), 20u);
+  EXPECT_EQ(st.getRunsCancelled(), 0u);
   expectGoodSessionUnaffected();
 }
 

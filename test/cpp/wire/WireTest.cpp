@@ -94,7 +94,7 @@ TEST(Wire, EveryCommandKindRoundTrips) {
           up.setTotal(4);
           up.setData(kj::heapArray<kj::byte>({1, 2, 3, 4}));
           cmds[4].initDownload().setHandle(5);
-          cmds[5].initRelease(2).set(1, 9);
+          cmds[5].initReleaseRanges(2).set(1, 9);
           cmds[6].setSeed(1234);
           cmds[7].setSync();
         },
@@ -112,7 +112,7 @@ TEST(Wire, EveryCommandKindRoundTrips) {
           EXPECT_EQ(cmds[2].getRun().getFirstOutput(), 100u);
           EXPECT_EQ(cmds[3].getUpload().getData().size(), 4u);
           EXPECT_EQ(cmds[4].getDownload().getHandle(), 5u);
-          EXPECT_EQ(cmds[5].getRelease()[1], 9u);
+          EXPECT_EQ(cmds[5].getReleaseRanges()[1], 9u);
           EXPECT_EQ(cmds[6].getSeed(), 1234u);
           EXPECT_EQ(cmds[7].which(), wire::Command::SYNC);
         });
