@@ -44,12 +44,11 @@ ir::Graph chain() {
 }
 
 void BM_PlanExecution(benchmark::State &state) {
-  std::string error;
   ir::Graph g = chain();
   std::vector<ir::ScalarValue> scalars(g.scalars.size());
   for (auto &s : scalars)
     s.d = 1.0;
-  auto plan = server::Plan::build(std::move(g), error);
+  auto plan = llvm::cantFail(server::Plan::build(std::move(g)));
   std::vector<server::Entry> in = {{at::randn({4}), nullptr}}, out;
   const at::Device cpu(at::kCPU);
   const at::Generator generator = at::globalContext().defaultGenerator(at::kCPU);

@@ -235,10 +235,10 @@ llvm::Expected<std::shared_ptr<const Plan>> Context::define(const ir::Hash256 &h
   size_t nodes = graph.nodes.size();
   uint64_t bytes = ir::graphBytes(graph);
   auto start = std::chrono::steady_clock::now();
-  std::string error;
-  std::shared_ptr<Plan> plan = Plan::build(std::move(graph), error, limits_.maxTensorBytes);
-  if (!plan)
-    return failure(error);
+  auto built = Plan::build(std::move(graph), limits_.maxTensorBytes);
+  if (!built)
+    return built.takeError();
+  std::shared_ptr<Plan> plan = std::move(*built);
   if (plan->maxDevice >= devices_.size())
     return failure("the graph names rgpu:" + std::to_string(plan->maxDevice) +
                    ", and this server has " + std::to_string(devices_.size()) + " device(s)");

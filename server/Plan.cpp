@@ -60,15 +60,15 @@ bool constant(const c10::TypePtr &type, const Arg &a, const ir::Node &n, c10::IV
 }
 
 /// The constant IValue of schema argument \p sa (of type \p type, any Optional unwrapped) from
-/// \p args at \p at, where a List arg is followed by its elements; an empty string, or why not.
-std::string constantOf(const c10::Argument &sa, const c10::TypePtr &type, llvm::StringRef base,
+/// \p args at \p at, where a List arg is followed by its elements; or why not.
+llvm::Error constantOf(const c10::Argument &sa, const c10::TypePtr &type, llvm::StringRef base,
                        const ir::Node &n, llvm::ArrayRef<Arg> args, size_t at,
                        c10::IValue &out) {
   std::string where = "argument '" + sa.name() + "'";
   const Arg &arg = args[at];
   if (bridge::argType(type) != bridge::ArgType::List) {
     if (!constant(type, arg, n, out))
-      return where + " expects " + type->str() + ", got " + kindName(arg.kind);
+      return failure(where + " expects " + type->str() + ", got " + kindName(arg.kind));
     return policy::checkConstant(base, sa, bridge::argType(sa.real_type()), arg,
                                  arg.kind == Arg::Kind::Str ? n.strings[arg.i] : "");
   }
@@ -77,9 +77,9 @@ std::string constantOf(const c10::Argument &sa, const c10::TypePtr &type, llvm::
   for (int64_t k = 0; k < arg.i; ++k) {
     c10::IValue v;
     if (!constant(elem, args[at + 1 + k], n, v))
-      return where + " element " + std::to_string(k) + " does not match " + elem->str();
+      return failure(where + " element " + std::to_string(k) + " does not match " + elem->str());
     if (v.isInt())
-      if (std::string e = policy::checkListElement(base, sa, v.toInt()); !e.empty())
+      if (llvm::Error e = policy::checkListElement(base, sa, v.toInt()))
         return e;
     items.push_back(std::move(v));
   }
@@ -90,24 +90,24 @@ std::string constantOf(const c10::Argument &sa, const c10::TypePtr &type, llvm::
     for (auto &i : items)
       v.push_back(i.toInt());
     out = v;
-    return "";
+    return llvm::Error::success();
   }
   case c10::TypeKind::FloatType: {
     std::vector<double> v;
     for (auto &i : items)
       v.push_back(i.toDouble());
     out = v;
-    return "";
+    return llvm::Error::success();
   }
   case c10::TypeKind::BoolType: {
     c10::List<bool> v;
     for (auto &i : items)
       v.push_back(i.toBool());
     out = v;
-    return "";
+    return llvm::Error::success();
   }
   default:
-    return where + ": unsupported list type " + type->str();
+    return failure(where + ": unsupported list type " + type->str());
   }
 }
 
@@ -223,13 +223,11 @@ at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta) {
   return repeats ? r.expand(meta.sizes) : r;
 }
 
-std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error, uint64_t maxValueBytes) {
+llvm::Expected<std::unique_ptr<Plan>> Plan::build(ir::Graph graph, uint64_t maxValueBytes) {
   std::unique_ptr<Plan> plan(new Plan());
   plan->graph_ = std::move(graph);
-  if (std::string e = ir::verifyStructure(plan->graph_); !e.empty()) {
-    error = e;
-    return nullptr;
-  }
+  if (std::string e = ir::verifyStructure(plan->graph_); !e.empty())
+    return failure(e);
   plan->metas_ = plan->graph_.valueMetas();
   // Sizes are peer numbers: a layout whose byte span overflows, or exceeds the limit, is refused
   // before anything is sized from it.
@@ -237,26 +235,22 @@ std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error, uint64_t 
     const ir::TensorMeta &m = *plan->metas_[v];
     if (m.dtype == ir::dtype::Undefined)
       continue;
-    if (m.storageBytes() < 0) {
-      error = "value " + std::to_string(v) + " has a layout whose size overflows";
-      return nullptr;
-    }
-    if (uint64_t(m.storageBytes()) > maxValueBytes) {
-      error = "value " + std::to_string(v) + " " + m.str() + " needs " +
-              std::to_string(m.storageBytes() >> 20) + " MiB, more than this server's limit of " +
-              std::to_string(maxValueBytes >> 20) + " MiB per tensor";
-      return nullptr;
-    }
+    if (m.storageBytes() < 0)
+      return failure("value " + std::to_string(v) + " has a layout whose size overflows");
+    if (uint64_t(m.storageBytes()) > maxValueBytes)
+      return failure("value " + std::to_string(v) + " " + m.str() + " needs " +
+                     std::to_string(m.storageBytes() >> 20) +
+                     " MiB, more than this server's limit of " +
+                     std::to_string(maxValueBytes >> 20) + " MiB per tensor");
   }
   plan->producer_.assign(plan->graph_.inputs.size(), 0);
   for (uint32_t n = 0; n < plan->graph_.nodes.size(); ++n)
     plan->producer_.insert(plan->producer_.end(), plan->graph_.nodes[n].outputs.size(), n);
   uint32_t next = plan->graph_.inputs.size();
   for (uint32_t n = 0; n < plan->graph_.nodes.size(); ++n) {
-    if (std::string e = plan->addStep(n, next); !e.empty()) {
-      error = "node " + std::to_string(n) + " (" + plan->graph_.nodes[n].op.str().str() + "): " + e;
-      return nullptr;
-    }
+    if (llvm::Error e = plan->addStep(n, next))
+      return failure("node " + std::to_string(n) + " (" + plan->graph_.nodes[n].op.str().str() +
+                     "): " + message(std::move(e)));
     next += plan->graph_.nodes[n].outputs.size();
   }
   plan->maxValueBytes_ = maxValueBytes;
@@ -271,27 +265,27 @@ std::unique_ptr<Plan> Plan::build(ir::Graph graph, std::string &error, uint64_t 
   for (uint32_t v = plan->graph_.inputs.size(); v < next; ++v)
     if (lastUse[v] >= 0)
       plan->steps_[lastUse[v]].release.push_back(v);
-  return plan;
+  return std::move(plan);
 }
 
-std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
+llvm::Error Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   const ir::Node &n = graph_.nodes[nodeIndex];
   llvm::StringRef full = n.op.str();
   auto [base, overload] = ir::splitOpName(full);
-  if (std::string why = policy::admit(full); !why.empty())
+  if (llvm::Error why = policy::admit(full))
     return why;
   c10::OperatorName name{base.str(), overload.str()};
   auto handle = c10::Dispatcher::singleton().findSchema(name);
   if (!handle)
-    return "unknown op";
+    return failure("unknown op");
   const c10::FunctionSchema &schema = handle->schema();
   bool listReturns = false;
   for (const auto &ret : schema.returns())
     listReturns |= ret.type()->kind() == c10::TypeKind::ListType;
   // A list's length is known only when the op runs; the run checks the total then.
   if (!listReturns && schema.returns().size() != n.outputs.size())
-    return "expects " + std::to_string(schema.returns().size()) + " outputs, graph has " +
-           std::to_string(n.outputs.size());
+    return failure("expects " + std::to_string(schema.returns().size()) +
+                   " outputs, graph has " + std::to_string(n.outputs.size()));
 
   Step step;
   step.node = nodeIndex;
@@ -313,9 +307,9 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   step.schema = *handle;
   const llvm::StringRef opBase = base; // a structured binding a lambda may capture (C++17)
   auto addConst = [&](const c10::Argument &sa, const c10::TypePtr &type, uint32_t at,
-                      uint32_t si) -> std::string {
+                      uint32_t si) -> llvm::Error {
     c10::IValue v;
-    if (std::string e = constantOf(sa, type, opBase, n, n.args, at, v); !e.empty())
+    if (llvm::Error e = constantOf(sa, type, opBase, n, n.args, at, v))
       return e;
     if (step.restrideOperands && sa.name() == "size")
       step.viewSize = step.consts.size();
@@ -326,7 +320,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
     step.slots.push_back({Slot::Const, uint32_t(step.consts.size())});
     step.consts.push_back(std::move(v));
     step.constSources.push_back({at, si});
-    return "";
+    return llvm::Error::success();
   };
   size_t a = 0;
   auto take = [&]() -> const Arg * { return a < n.args.size() ? &n.args[a++] : nullptr; };
@@ -335,7 +329,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
     const uint32_t at = a;
     const Arg *arg = take();
     if (!arg)
-      return "too few arguments for " + schema.name();
+      return failure("too few arguments for " + schema.name());
     c10::TypePtr type = sa.type();
     std::string where = "argument '" + sa.name() + "'";
     if (auto opt = type->cast<c10::OptionalType>()) {
@@ -352,7 +346,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
       type = opt->getElementType();
     }
     auto mismatch = [&]() {
-      return where + " expects " + type->str() + ", got " + kindName(arg->kind);
+      return failure(where + " expects " + type->str() + ", got " + kindName(arg->kind));
     };
     switch (bridge::argType(type)) {
     case bridge::ArgType::Tensor:
@@ -381,7 +375,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
       llvm::StringRef text =
           size_t(arg->i) < n.strings.size() ? llvm::StringRef(n.strings[arg->i]) : "";
       if (text.consume_front("rgpu:") && (text.getAsInteger(10, index) || index > 255))
-        return where + ": bad device '" + n.strings[arg->i] + "'";
+        return failure(where + ": bad device '" + n.strings[arg->i] + "'");
       step.slots.push_back({Slot::Device, index});
       step.device = int32_t(index);
       maxDevice = std::max(maxDevice, index);
@@ -402,7 +396,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
       if (auto o = elem->cast<c10::OptionalType>()) {
         optTensor = o->getElementType()->kind() == c10::TypeKind::TensorType;
         if (!optTensor)
-          return where + ": unsupported list type " + type->str();
+          return failure(where + ": unsupported list type " + type->str());
         elem = o->getElementType();
       }
       if (elem->kind() == c10::TypeKind::TensorType || elem->kind() == c10::TypeKind::NumberType) {
@@ -415,7 +409,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
             continue;
           }
           if (e->kind != (scalars ? Arg::Kind::Scalar : Arg::Kind::Tensor))
-            return where + " element " + std::to_string(k) + " is " + kindName(e->kind);
+            return failure(where + " element " + std::to_string(k) + " is " + kindName(e->kind));
           listItems_.push_back(scalars ? n.scalars[e->i] : n.operands[e->i]);
         }
         Slot::Kind kind = scalars ? Slot::ScalarList : optTensor ? Slot::OptTensorList : Slot::TensorList;
@@ -423,24 +417,24 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
         continue;
       }
       a += count;
-      if (std::string e = addConst(sa, type, at, si); !e.empty())
+      if (llvm::Error e = addConst(sa, type, at, si))
         return e;
       continue;
     }
     default:
-      if (std::string e = addConst(sa, type, at, si); !e.empty())
+      if (llvm::Error e = addConst(sa, type, at, si))
         return e;
       continue;
     }
   }
   if (a != n.args.size())
-    return "too many arguments for " + schema.name();
+    return failure("too many arguments for " + schema.name());
   if (step.restrideOperands) {
     if (n.operands.empty())
-      return "a strided view without a base";
+      return failure("a strided view without a base");
     // A symbolic graph's sizes are blanks until a run gives them: resolve() checks its views.
     if (graph_.symbolCount == 0)
-      if (std::string e = checkView(step, step.consts, *metas_[n.operands[0]]); !e.empty())
+      if (llvm::Error e = checkView(step, step.consts, *metas_[n.operands[0]]))
         return e;
   }
   if (ir::opFacts(base).has(ir::OpFact::NormBackward)) {
@@ -458,7 +452,7 @@ std::string Plan::addStep(uint32_t nodeIndex, uint32_t firstOutput) {
   step.cpuStandIn = cpuStandIn(full);
   cpuStandIns_ |= step.cpuStandIn != nullptr;
   steps_.push_back(std::move(step));
-  return "";
+  return llvm::Error::success();
 }
 
 void Plan::locateSymbolic() {
@@ -496,7 +490,7 @@ void Plan::locateSymbolic() {
   }
 }
 
-std::string Plan::checkView(const Step &step, const std::vector<c10::IValue> &consts,
+llvm::Error Plan::checkView(const Step &step, const std::vector<c10::IValue> &consts,
                             const ir::TensorMeta &base) const {
   // The view must stay inside its base (the first operand, given exactly its graph layout).
   std::vector<int64_t> sizes, strides;
@@ -507,9 +501,9 @@ std::string Plan::checkView(const Step &step, const std::vector<c10::IValue> &co
     strides = consts[step.viewStride].toIntVector();
   if (step.viewOffset >= 0 && consts[step.viewOffset].isInt())
     offset = consts[step.viewOffset].toInt();
-  if (std::string e = policy::checkStridedView(base, sizes, strides, offset); !e.empty())
-    return "refused: " + e;
-  return "";
+  if (llvm::Error e = policy::checkStridedView(base, sizes, strides, offset))
+    return failure("refused: " + message(std::move(e)));
+  return llvm::Error::success();
 }
 
 ErrorPtr Plan::resolve(llvm::ArrayRef<int64_t> symbols, Shapes &out) const {
@@ -578,10 +572,9 @@ ErrorPtr Plan::resolve(llvm::ArrayRef<int64_t> symbols, Shapes &out) const {
       c10::TypePtr type = sa.type();
       if (auto opt = type->cast<c10::OptionalType>())
         type = opt->getElementType();
-      if (std::string e = constantOf(sa, type, ir::splitOpName(n.op.str()).first, n, args, at,
-                                     consts[c]);
-          !e.empty())
-        return failAt(step.node, e + " (for " + sizes + ")");
+      if (llvm::Error e =
+              constantOf(sa, type, ir::splitOpName(n.op.str()).first, n, args, at, consts[c]))
+        return failAt(step.node, message(std::move(e)) + " (for " + sizes + ")");
     }
   }
   for (uint32_t s = 0; s < steps_.size(); ++s) {
@@ -590,8 +583,8 @@ ErrorPtr Plan::resolve(llvm::ArrayRef<int64_t> symbols, Shapes &out) const {
       continue;
     const ir::Node &n = graph_.nodes[step.node];
     const auto &consts = out.consts[s].empty() ? step.consts : out.consts[s];
-    if (std::string e = checkView(step, consts, *out.metas[n.operands[0]]); !e.empty())
-      return failAt(step.node, e + " (for " + sizes + ")");
+    if (llvm::Error e = checkView(step, consts, *out.metas[n.operands[0]]))
+      return failAt(step.node, message(std::move(e)) + " (for " + sizes + ")");
   }
   return nullptr;
 }

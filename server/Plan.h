@@ -15,6 +15,7 @@
 #include "StandIns.h"
 
 #include "rgpu/bridge/Bridge.h"
+#include "rgpu/ir/Error.h"
 #include "rgpu/ir/Graph.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -76,11 +77,10 @@ struct Shapes {
 
 class Plan {
 public:
-  /// Verifies \p graph against the op schemas and builds its plan. On failure returns null and
-  /// sets \p error to a message naming the node and op. No value may span more than
-  /// \p maxValueBytes.
-  static std::unique_ptr<Plan> build(ir::Graph graph, std::string &error,
-                                     uint64_t maxValueBytes = uint64_t(1) << 62);
+  /// Verifies \p graph against the op schemas and builds its plan; a failure names the node
+  /// and op. No value may span more than \p maxValueBytes.
+  static llvm::Expected<std::unique_ptr<Plan>> build(ir::Graph graph,
+                                                     uint64_t maxValueBytes = uint64_t(1) << 62);
 
   /// Runs the plan. \p inputs follow the graph's input order; on return \p outputs holds one
   /// entry per graph output. A node that throws poisons its outputs and everything downstream;
@@ -168,9 +168,9 @@ private:
   };
 
   Plan() = default;
-  std::string addStep(uint32_t nodeIndex, uint32_t firstOutput);
+  llvm::Error addStep(uint32_t nodeIndex, uint32_t firstOutput);
   /// Refuses a strided view whose constants \p consts reach outside its base \p base.
-  std::string checkView(const Step &step, const std::vector<c10::IValue> &consts,
+  llvm::Error checkView(const Step &step, const std::vector<c10::IValue> &consts,
                         const ir::TensorMeta &base) const;
   /// Where a symbolic graph's integers are: in a value's layout (index into sizes then strides)
   /// or a node's arguments; k indexes graph().symbolic.

@@ -80,15 +80,15 @@ bool isCollective(llvm::StringRef fullName) {
   return !fullName.contains('.') && ir::opFacts(fullName).has(ir::OpFact::Collective);
 }
 
-std::string admit(llvm::StringRef fullName) {
+llvm::Error admit(llvm::StringRef fullName) {
   if (isCollective(fullName))
-    return "";
+    return llvm::Error::success();
   if (!fullName.startswith("aten::"))
-    return "only aten ops and torch.distributed's functional collectives are accepted";
+    return failure("only aten ops and torch.distributed's functional collectives are accepted");
   auto it = verdicts().find(fullName);
   if (it == verdicts().end())
-    return "unknown op";
-  return it->second;
+    return failure("unknown op");
+  return it->second.empty() ? llvm::Error::success() : failure(it->second);
 }
 
 bool growsStorage(llvm::StringRef base) { return ir::opFacts(base).has(ir::OpFact::GrowsStorage); }
@@ -101,80 +101,82 @@ bool compilable(llvm::StringRef base) {
          !facts.has(ir::OpFact::GrowsStorage);
 }
 
-std::string checkConstant(llvm::StringRef base, const c10::Argument &arg, bridge::ArgType type,
+llvm::Error checkConstant(llvm::StringRef base, const c10::Argument &arg, bridge::ArgType type,
                           const ir::Arg &a, llvm::StringRef str) {
   std::string where = "argument '" + arg.name() + "'";
   switch (type) {
   case bridge::ArgType::ScalarType:
     if (!ir::dtype::isValid(int8_t(a.i)) || a.i != int8_t(a.i))
-      return where + " is dtype number " + std::to_string(a.i) + ", not one rgpu knows";
-    return "";
+      return failure(where + " is dtype number " + std::to_string(a.i) + ", not one rgpu knows");
+    return llvm::Error::success();
   case bridge::ArgType::Layout:
     if (a.i != ir::layout::Strided)
-      return where + " is layout number " + std::to_string(a.i) +
-             "; rgpu supports torch.strided only";
-    return "";
+      return failure(where + " is layout number " + std::to_string(a.i) +
+                     "; rgpu supports torch.strided only");
+    return llvm::Error::success();
   case bridge::ArgType::MemoryFormat:
     if (!ir::memory_format::torchName(a.i))
-      return where + " is memory format number " + std::to_string(a.i) + ", not one torch has";
-    return "";
+      return failure(where + " is memory format number " + std::to_string(a.i) +
+                     ", not one torch has");
+    return llvm::Error::success();
   case bridge::ArgType::String: {
     if (isCollective(base) && arg.name() == "group_name")
-      return ""; // the session's own group: Groups::check
+      return llvm::Error::success(); // the session's own group: Groups::check
     const std::vector<llvm::StringRef> *table = ir::allowedStrings(base, arg.name());
     if (!table)
-      return where + " is a free-form string";
+      return failure(where + " is a free-form string");
     if (std::find(table->begin(), table->end(), str) == table->end()) {
       std::string allowed;
       for (llvm::StringRef v : *table)
         allowed += (allowed.empty() ? "" : ", ") + v.str();
-      return where + " is not one of " + allowed;
+      return failure(where + " is not one of " + allowed);
     }
-    return "";
+    return llvm::Error::success();
   }
-  default: return "";
+  default: return llvm::Error::success();
   }
 }
 
-std::string checkListElement(llvm::StringRef base, const c10::Argument &arg, int64_t value) {
+llvm::Error checkListElement(llvm::StringRef base, const c10::Argument &arg, int64_t value) {
   if (value >= 0)
-    return "";
+    return llvm::Error::success();
   if (arg.name() == "stride")
-    return "argument 'stride' has a negative stride";
+    return failure("argument 'stride' has a negative stride");
   const ir::OpFacts facts = ir::opFacts(base);
-  if (arg.name() == "size" && (facts.has(ir::OpFact::Factory) || facts.has(ir::OpFact::StridedView)))
-    return "argument 'size' has a negative size";
-  return "";
+  const bool sized = facts.has(ir::OpFact::Factory) || facts.has(ir::OpFact::StridedView);
+  if (arg.name() == "size" && sized)
+    return failure("argument 'size' has a negative size");
+  return llvm::Error::success();
 }
 
-std::string checkStridedView(const ir::TensorMeta &base, llvm::ArrayRef<int64_t> sizes,
+llvm::Error checkStridedView(const ir::TensorMeta &base, llvm::ArrayRef<int64_t> sizes,
                              llvm::ArrayRef<int64_t> strides, int64_t offset) {
   if (sizes.size() != strides.size())
-    return "sizes and strides differ in rank";
+    return failure("sizes and strides differ in rank");
   if (offset < 0)
-    return "negative storage offset";
+    return failure("negative storage offset");
   // The last element the view reaches, in elements from the storage's start.
   int64_t last = offset;
   bool empty = false;
   for (size_t i = 0; i < sizes.size(); ++i) {
     if (sizes[i] < 0 || strides[i] < 0)
-      return "negative size or stride";
+      return failure("negative size or stride");
     if (sizes[i] == 0)
       empty = true;
     int64_t step;
     if (sizes[i] > 0 && (__builtin_mul_overflow(sizes[i] - 1, strides[i], &step) ||
                          __builtin_add_overflow(last, step, &last)))
-      return "the view's extent overflows";
+      return failure("the view's extent overflows");
   }
   if (empty)
-    return "";
+    return llvm::Error::success();
   int64_t bytes = base.storageBytes();
   unsigned item = ir::dtype::itemSize(base.dtype);
   int64_t elements = item ? bytes / item : 0;
   if (bytes < 0 || last >= elements)
-    return "the view reaches element " + std::to_string(last) + " of a storage of " +
-           std::to_string(elements) + " elements";
-  return "";
+    return failure("the view reaches element " + std::to_string(last) + " of a storage of " +
+           std::to_string(elements) + " elements");
+  return llvm::Error::success();
 }
 
 std::vector<std::pair<std::string, std::string>> refusedOps() {

@@ -12,6 +12,7 @@
 #pragma once
 
 #include "rgpu/bridge/Bridge.h"
+#include "rgpu/ir/Error.h"
 
 #include <string>
 #include <utility>
@@ -19,8 +20,8 @@
 
 namespace rgpu::server::policy {
 
-/// "" if \p fullName ("aten::add.Tensor") may appear in a graph, else why not. Thread-safe.
-std::string admit(llvm::StringRef fullName);
+/// Success if \p fullName ("aten::add.Tensor") may appear in a graph, else why not. Thread-safe.
+llvm::Error admit(llvm::StringRef fullName);
 
 /// Whether \p fullName is one of torch.distributed's functional collectives that graphs may hold
 /// ("_c10d_functional::all_reduce", ...); they run on the plan executor only.
@@ -37,17 +38,17 @@ bool growsStorage(llvm::StringRef base);
 
 /// Checks the value of a constant argument \p a of type \p type: ScalarType, Layout and
 /// MemoryFormat in range, strings from the op's table, strides non-negative. \p str is the
-/// argument's text for a string. Returns "" or the problem.
-std::string checkConstant(llvm::StringRef base, const c10::Argument &arg, bridge::ArgType type,
+/// argument's text for a string.
+llvm::Error checkConstant(llvm::StringRef base, const c10::Argument &arg, bridge::ArgType type,
                           const ir::Arg &a, llvm::StringRef str);
 
 /// Checks one element of an int list argument (sizes of factories, strides).
-std::string checkListElement(llvm::StringRef base, const c10::Argument &arg, int64_t value);
+llvm::Error checkListElement(llvm::StringRef base, const c10::Argument &arg, int64_t value);
 
 /// For the strided-view constructors (as_strided, _reshape_alias and their _copy and scatter
-/// forms): "" if the view that \p sizes, \p strides and \p offset describe lies inside the
-/// storage of an operand laid out as \p base, else why not. Overflow-checked.
-std::string checkStridedView(const ir::TensorMeta &base, llvm::ArrayRef<int64_t> sizes,
+/// forms): success if the view that \p sizes, \p strides and \p offset describe lies inside
+/// the storage of an operand laid out as \p base, else why not. Overflow-checked.
+llvm::Error checkStridedView(const ir::TensorMeta &base, llvm::ArrayRef<int64_t> sizes,
                              llvm::ArrayRef<int64_t> strides, int64_t offset);
 
 /// Every registered aten op the policy refuses, with the reason; sorted by name.

@@ -28,8 +28,8 @@ void Session::handleDefine(wire::Define::Reader r) {
   const uint64_t budget = ctx_.budgets.graphMemory;
   auto planned = [&]() -> llvm::Expected<std::shared_ptr<const Plan>> {
     ir::Graph graph;
-    if (std::string e = wire::decodeGraph(r.getGraph(), ctx_.limits(), graph, policy::admit);
-        !e.empty())
+    auto admit = [](llvm::StringRef op) { return message(policy::admit(op)); };
+    if (std::string e = wire::decodeGraph(r.getGraph(), ctx_.limits(), graph, admit); !e.empty())
       return failure(e);
     if (llvm::Error e = groups_.check(graph))
       return std::move(e);
@@ -49,7 +49,8 @@ void Session::handleDefine(wire::Define::Reader r) {
     refused_.erase(hash);
     using Executor = wire::Define::Executor;
     const Executor executor = r.getExecutor();
-    if (ctx_.compiler() && plan->shared && (executor == Executor::INDUCTOR || executor == Executor::PLAN))
+    const bool preferred = executor == Executor::INDUCTOR || executor == Executor::PLAN;
+    if (ctx_.compiler() && plan->shared && preferred)
       ctx_.compiler()->prefer(hash, executor == Executor::INDUCTOR ? "inductor" : "plan");
     return;
   }

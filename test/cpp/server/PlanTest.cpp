@@ -46,16 +46,26 @@ ir::Graph mlp() {
   return g;
 }
 
+/// Plan::build's plan, or null with its failure in \p error.
+std::unique_ptr<server::Plan> build(ir::Graph g, std::string &error) {
+  auto plan = server::Plan::build(std::move(g));
+  if (!plan) {
+    error = message(plan.takeError());
+    return nullptr;
+  }
+  return std::move(*plan);
+}
+
 std::string refusal(ir::Graph g) {
   std::string error;
-  auto plan = server::Plan::build(std::move(g), error);
+  auto plan = build(std::move(g), error);
   return plan ? "" : error;
 }
 } // namespace
 
 TEST(Plan, RunsAHandBuiltGraphLikeDirectAtenCalls) {
   std::string error;
-  auto plan = server::Plan::build(mlp(), error);
+  auto plan = build(mlp(), error);
   ASSERT_TRUE(plan) << error;
   at::Tensor x = at::randn({4, 3}), w = at::randn({3, 5}), b = at::randn({5});
   std::vector<server::Entry> in = {{x, nullptr}, {w, nullptr}, {b, nullptr}};
@@ -78,7 +88,7 @@ TEST(Plan, AFailingNodePoisonsWhatDependsOnIt) {
   g.nodes[0].loc = g.addLocation("train.py:9");
   g.outputs = {3, 4};
   std::string error;
-  auto plan = server::Plan::build(g, error);
+  auto plan = build(g, error);
   ASSERT_TRUE(plan) << error;
   std::vector<server::Entry> in = {{at::randn({4, 3}), nullptr},
                                    {at::tensor({0, 9}, at::kLong), nullptr}};
@@ -147,7 +157,7 @@ TEST(Compiler, APackageRunsOnlyWhereItsRangesAndTiesHold) {
   ir::Graph symbolic =
       ir::makeSymbolic(g, 2, {{0, sym(0)}, {2, sym(1)}, {4, sym(0)}, {6, sym(1)}});
   std::string error;
-  std::shared_ptr<const server::Plan> plan = server::Plan::build(std::move(symbolic), error);
+  std::shared_ptr<const server::Plan> plan = build(std::move(symbolic), error);
   ASSERT_TRUE(plan) << error;
   server::Specialization spec;
   spec.ranges = {{0, 2, 100}, {1, 0, -1}};
@@ -176,13 +186,13 @@ TEST(Compiler, APackageRunsOnlyForTheGraphItRecordsAndInputsOfItsMetas) {
     return g;
   };
   std::string error;
-  std::shared_ptr<const server::Plan> plan = server::Plan::build(relu(64), error);
+  std::shared_ptr<const server::Plan> plan = build(relu(64), error);
   ASSERT_TRUE(plan) << error;
   server::CompiledGraph compiled(nullptr, {}, ir::canonicalBytes(plan->graph()), plan);
   EXPECT_TRUE(compiled.compiledFrom(plan));
-  std::shared_ptr<const server::Plan> again = server::Plan::build(relu(64), error);
+  std::shared_ptr<const server::Plan> again = build(relu(64), error);
   EXPECT_TRUE(compiled.compiledFrom(again)); // the same graph, planned again
-  std::shared_ptr<const server::Plan> smaller = server::Plan::build(relu(8), error);
+  std::shared_ptr<const server::Plan> smaller = build(relu(8), error);
   EXPECT_FALSE(compiled.compiledFrom(smaller));
   EXPECT_TRUE(compiled.compiledFrom(plan));
   // Inputs of other metas never reach the package (its loader is never called here).
