@@ -81,17 +81,10 @@ fuzz: fuzz-build
 test-fuzz: fuzz-build
 	for t in $(FUZZ_TARGETS); do test/fuzz/run.sh $(FUZZ_BUILD) $$t 10 -runs=20000 || exit 1; done
 
-# The packaging check and the fuzz smoke run go beside the C++ and Python tests, at the lowest
-# CPU priority: those tests mostly wait on servers and subprocesses, and the two take what they
-# leave idle. Their output follows the tests'; any failure fails `make test`.
-test: build
-	@mkdir -p $(BUILD)/logs; \
-	nice -n 19 $(MAKE) --no-print-directory test-package test-fuzz > $(BUILD)/logs/beside.log 2>&1 & \
-	beside=$$!; \
-	$(MAKE) --no-print-directory test-cpp test-python; tests=$$?; \
-	echo "== the packaging check and the fuzz smoke run, run beside the tests:"; \
-	wait $$beside; status=$$?; cat $(BUILD)/logs/beside.log; \
-	[ $$tests = 0 ] && [ $$status = 0 ]
+# The packaging check and the fuzz smoke run come after the tests, side by side: neither
+# measures time, and the tests that do get the machine to themselves.
+test: test-cpp test-python
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-package test-fuzz
 
 run: build
 	$(PY) examples/train.py
