@@ -560,7 +560,6 @@ void Session::stats(wire::ServerStats::Builder out) {
   out.setSessionsParked(ctx_.sessionsParked());
   out.setResumes(ctx_.resumes);
   out.setSessionsExpired(ctx_.sessionsExpired);
-  out.setSessionsGreeted(ctx_.greetedSessions);
   if (Compiler *c = ctx_.compiler()) {
     out.setCompiler("inductor");
     out.setInductorCompiles(c->compiles);

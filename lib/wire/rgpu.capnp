@@ -365,7 +365,6 @@ struct ServerStats {
   resumes @21 :UInt64;             # sessions resumed on a new connection
   sessionsExpired @22 :UInt64;     # parked sessions dropped when their grace passed
   session @23 :SessionStats;       # the asking session's own
-  sessionsGreeted @24 :UInt64;     # sessions past their Hello, served now
 }
 
 struct SessionStats {
