@@ -224,19 +224,26 @@ def test_a_session_past_its_grace_is_dropped_and_its_memory_freed():
         """)], env=dict(os.environ, RGPU_OPSERVER=server.address),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert killed.stdout.readline().strip() == str(float(16 << 20))
-        killed.kill()
-        killed.wait()
-        r = run_client(server.address, textwrap.dedent("""
-            import json, time, rgpu
+        # The client that samples has imported torch (seconds, longer than the grace on a busy
+        # machine) before the other is killed.
+        sampler = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+            import json, sys, time, rgpu
+            print("ready", flush=True)
+            sys.stdin.readline()
             samples = []
             for _ in range(24):
                 s = rgpu.server_stats()
                 samples.append([s["sessions_parked"], s["sessions_expired"], s["memory_held"]])
                 time.sleep(0.25)
             print(json.dumps(samples))
-        """))
-        assert r.returncode == 0, r.stderr
-        samples = json.loads(r.stdout)
+        """)], env=dict(os.environ, RGPU_OPSERVER=server.address),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert sampler.stdout.readline().strip() == "ready"
+        killed.kill()
+        killed.wait()
+        out, err = sampler.communicate("go\n", timeout=60)
+        assert sampler.returncode == 0, err
+        samples = json.loads(out)
         parked, expired, held = samples[0]
         assert parked == 1 and expired == 0 and held >= 64 << 20, samples
         parked, expired, held = samples[-1]
