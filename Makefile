@@ -71,7 +71,7 @@ $(FUZZ_BUILD)/build.ninja: CMakeLists.txt | $(VENV)/.stamp
 	  $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE))
 
 fuzz-build: deps venv $(FUZZ_BUILD)/build.ninja
-	$(VENV)/bin/cmake --build $(FUZZ_BUILD)
+	+$(VENV)/bin/cmake --build $(FUZZ_BUILD)
 
 # `make fuzz FUZZ_SECONDS=1800`: every target for that long, one after another.
 fuzz: fuzz-build

@@ -94,7 +94,6 @@ namespace {
 using F = OpFact;
 
 constexpr uint32_t operator|(F a, F b) { return uint32_t(a) | uint32_t(b); }
-constexpr uint32_t operator|(uint32_t a, F b) { return a | uint32_t(b); }
 
 /// Facts of ops by name: a base name ("aten::copy") holds for every overload; a full name
 /// ("aten::slice_copy.Tensor", "aten::view_copy.default" for the overload without a name) for
