@@ -5,6 +5,7 @@
 #include <llvm/ADT/Twine.h>
 
 #include <algorithm>
+#include <array>
 
 namespace rgpu::ir {
 
@@ -46,11 +47,20 @@ constexpr DtypeRow kDtypes[] = {
     {dtype::Float8_e8m0fnu, "f8e8m0fnu", "float8_e8m0fnu", 1},
 };
 
+/// Each dtype number's row in kDtypes (-1: none): itemSize sits on the hot paths of layouts.
+constexpr std::array<int8_t, 64> kRowOf = [] {
+  std::array<int8_t, 64> at{};
+  for (int8_t &a : at)
+    a = -1;
+  for (size_t r = 0; r < sizeof(kDtypes) / sizeof(kDtypes[0]); ++r)
+    at[size_t(kDtypes[r].number)] = int8_t(r);
+  return at;
+}();
+
 const DtypeRow *dtypeRow(int8_t d) {
-  for (const DtypeRow &row : kDtypes)
-    if (row.number == d)
-      return &row;
-  return nullptr;
+  if (d < 0 || size_t(d) >= kRowOf.size() || kRowOf[size_t(d)] < 0)
+    return nullptr;
+  return &kDtypes[kRowOf[size_t(d)]];
 }
 
 } // namespace
