@@ -117,9 +117,8 @@ void BM_Decode5000(benchmark::State &state) {
   for (auto _ : state) {
     capnp::FlatArrayMessageReader reader(words, wire::readerOptions(limits, words.asBytes().size(), false));
     ir::Graph out;
-    std::string error = wire::decodeGraph(reader.getRoot<wire::Graph>(), limits, out);
-    if (!error.empty())
-      state.SkipWithError(error.c_str());
+    if (llvm::Error e = wire::decodeGraph(reader.getRoot<wire::Graph>(), limits, out))
+      state.SkipWithError(rgpu::message(std::move(e)).c_str());
     benchmark::DoNotOptimize(out.nodes.data());
   }
   state.SetItemsProcessed(state.iterations() * kNodes);

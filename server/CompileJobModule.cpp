@@ -100,16 +100,16 @@ py::tuple exprTuple(const ir::SymExpr &e) {
 /// None per size) and "symbolic" (its layout holds a symbol), and ("symint", (value, coef,
 /// offset, [symbol, ...])) arguments.
 py::dict readJob(const std::string &path) {
-  kj::Array<capnp::word> words;
-  if (std::string e = wire::readMessageFile(path, words); !e.empty())
-    throw std::runtime_error(e);
+  auto words = wire::readMessageFile(path);
+  if (!words)
+    throw std::runtime_error(message(words.takeError()));
   wire::Limits limits;
-  capnp::FlatArrayMessageReader reader(words,
-                                       wire::readerOptions(limits, words.asBytes().size(), false));
+  capnp::FlatArrayMessageReader reader(*words,
+                                       wire::readerOptions(limits, words->asBytes().size(), false));
   auto job = reader.getRoot<wire::CompileJob>();
   ir::Graph g;
-  if (std::string e = wire::decodeGraph(job.getGraph(), limits, g); !e.empty())
-    throw std::runtime_error(path + ": " + e);
+  if (llvm::Error e = wire::decodeGraph(job.getGraph(), limits, g))
+    throw std::runtime_error(path + ": " + message(std::move(e)));
   auto runOps = job.getRunOps(); // read once: every get counts against the traversal limit
   if (runOps.size() != g.nodes.size())
     throw std::runtime_error(path + ": one run op per node expected");
@@ -237,15 +237,15 @@ void writeOk(const std::string &path, const std::vector<std::pair<uint32_t, py::
     w.set(2 * i, writes[i].first);
     w.set(2 * i + 1, writes[i].second);
   }
-  if (std::string e = wire::writeMessageFile(path, b); !e.empty())
-    throw std::runtime_error(e);
+  if (llvm::Error e = wire::writeMessageFile(path, b))
+    throw std::runtime_error(message(std::move(e)));
 }
 
 void writeError(const std::string &path, const std::string &message) {
   capnp::MallocMessageBuilder b;
   b.initRoot<wire::CompileResult>().setError(message);
-  if (std::string e = wire::writeMessageFile(path, b); !e.empty())
-    throw std::runtime_error(e);
+  if (llvm::Error e = wire::writeMessageFile(path, b))
+    throw std::runtime_error(rgpu::message(std::move(e)));
 }
 
 } // namespace

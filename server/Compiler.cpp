@@ -21,15 +21,8 @@
 #include <filesystem>
 #include <optional>
 
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <sys/wait.h>
 #include <unistd.h>
-
-extern char **environ;
 
 // OpenMP's and MKL's per-thread team sizes, from the libraries libtorch loaded (weak: a torch
 // built without them leaves these null).
@@ -42,8 +35,6 @@ namespace rgpu::server {
 namespace fs = std::filesystem;
 
 namespace {
-/// spawnWorker's status for a compile stopped at its deadline.
-constexpr int kTimedOut = -2;
 
 /// Graph states kept by the compiler before the oldest idle ones are forgotten.
 constexpr size_t kMaxStates = 8192;
@@ -96,35 +87,34 @@ std::string seconds(double s) {
   return buf;
 }
 
-/// Reads a CompileResult file: "" (and, if asked for, the constants) for a successful compile,
-/// else why not (the worker's error, or why the file cannot be read).
-std::string readResult(const std::string &path, Specialization *spec = nullptr) {
-  kj::Array<capnp::word> words;
-  if (std::string e = wire::readMessageFile(path, words); !e.empty())
-    return e;
+/// Reads a CompileResult file: what a successful compile specialized on, else a failure
+/// saying why not (the worker's error, or why the file cannot be read).
+llvm::Expected<Specialization> readResult(const std::string &path) {
+  auto words = wire::readMessageFile(path);
+  if (!words)
+    return words.takeError();
+  Specialization spec;
   try {
     capnp::FlatArrayMessageReader reader(
-        words, wire::readerOptions(wire::Limits(), words.asBytes().size(), false));
+        *words, wire::readerOptions(wire::Limits(), words->asBytes().size(), false));
     auto result = reader.getRoot<wire::CompileResult>();
     if (result.isError())
-      return result.getError();
-    if (spec) {
-      for (auto c : result.getOk().getConstants())
-        spec->constants.emplace_back(c.getSlot(), wire::decodeScalar(c.getValue()));
-      for (auto r : result.getOk().getRanges())
-        spec->ranges.push_back({r.getSymbol(), r.getMin(), r.getMax()});
-      for (auto r : result.getOk().getRelations())
-        spec->relations.push_back({r.getSymbol(), r.getOf(), r.getCoef(), r.getOffset()});
-      auto w = result.getOk().getWrites();
-      if (w.size() % 2 != 0)
-        return path + ": writes are not pairs";
-      for (size_t k = 0; k < w.size(); k += 2)
-        spec->writes.emplace_back(w[k], w[k + 1]);
-    }
-    return "";
+      return failure(result.getError().cStr());
+    for (auto c : result.getOk().getConstants())
+      spec.constants.emplace_back(c.getSlot(), wire::decodeScalar(c.getValue()));
+    for (auto r : result.getOk().getRanges())
+      spec.ranges.push_back({r.getSymbol(), r.getMin(), r.getMax()});
+    for (auto r : result.getOk().getRelations())
+      spec.relations.push_back({r.getSymbol(), r.getOf(), r.getCoef(), r.getOffset()});
+    auto w = result.getOk().getWrites();
+    if (w.size() % 2 != 0)
+      return failure(path + ": writes are not pairs");
+    for (size_t k = 0; k < w.size(); k += 2)
+      spec.writes.emplace_back(w[k], w[k + 1]);
   } catch (const kj::Exception &e) {
-    return path + ": " + e.getDescription().cStr();
+    return failure(path + ": " + e.getDescription().cStr());
   }
+  return std::move(spec);
 }
 
 /// The whole of the file at \p path; empty if it cannot be read.
@@ -139,17 +129,17 @@ std::string readFile(const std::string &path) {
   return out;
 }
 
-/// Writes \p bytes to \p path whole (a temporary file, then renamed); "" or what went wrong.
-std::string writeFile(const std::string &path, const std::string &bytes) {
+/// Writes \p bytes to \p path whole (a temporary file, then renamed).
+llvm::Error writeFile(const std::string &path, const std::string &bytes) {
   std::string tmp = path + ".tmp" + std::to_string(getpid());
   FILE *f = std::fopen(tmp.c_str(), "wb");
   bool ok = f && std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
   ok = f && std::fclose(f) == 0 && ok;
   if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());
-    return "cannot write " + path;
+    return failure("cannot write " + path);
   }
-  return "";
+  return llvm::Error::success();
 }
 
 /// Removes temporary files (`NAME.tmpPID...`) whose writer is no longer running.
@@ -352,8 +342,13 @@ Compiler::Compiler(CompilerOptions options, at::Device device)
   fs::create_directories(options_.cacheDir + "/inductor", ec);
   sweepTemporaries(options_.cacheDir + "/inductor");
   trimDisk(""); // a server started with a smaller --disk-cache than the last one
+  WorkerCommand command{options_.python, options_.worker, options_.kernelCacheDir,
+                        options_.cacheDir + "/inductor/worker.log", options_.cpuSeconds,
+                        device_.is_cuda() ? 0 : uint64_t(options_.memoryMiB) << 20};
   for (unsigned i = 0; i < std::max(1u, options_.jobs); ++i)
-    threads_.emplace_back([this] { work(); });
+    workers_.push_back(std::make_unique<CompileWorker>(command));
+  for (auto &worker : workers_)
+    threads_.emplace_back([this, w = worker.get()] { work(*w); });
 }
 
 Compiler::~Compiler() { shutdown(); }
@@ -364,9 +359,9 @@ void Compiler::shutdown() {
     if (stopping_)
       return;
     stopping_ = true;
-    for (int pid : children_)
-      kill(-pid, SIGKILL);
   }
+  for (auto &worker : workers_)
+    worker->stop();
   cv_.notify_all();
   for (std::thread &t : threads_)
     t.join();
@@ -448,7 +443,7 @@ std::string Compiler::executorOf(const ir::Hash256 &hash) {
   }
 }
 
-void Compiler::work() {
+void Compiler::work(CompileWorker &worker) {
   for (;;) {
     Job job;
     {
@@ -460,7 +455,7 @@ void Compiler::work() {
       queue_.pop_front();
     }
     std::string error;
-    std::shared_ptr<const CompiledGraph> compiled = build(job, error);
+    std::shared_ptr<const CompiledGraph> compiled = build(job, worker, error);
     std::error_code ec;
     uint64_t bytes = compiled ? fs::file_size(stem(job.plan->hash) + ".pt2", ec) : 0;
     if (ec)
@@ -547,7 +542,8 @@ void Compiler::trimDisk(const std::string &keep) {
   }
 }
 
-std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string &error) {
+std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, CompileWorker &worker,
+                                                     std::string &error) {
   const ir::Hash256 &hash = job.plan->hash;
   std::string name = "graph " + hash.hex().substr(0, 12);
   std::string base = stem(hash), package = base + ".pt2", failed = base + ".failed";
@@ -559,11 +555,12 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
       error = "its package records another graph (or none)";
       return nullptr;
     }
-    Specialization spec;
-    if (std::string e = readResult(package + ".spec", &spec); !e.empty()) {
-      error = "its package has no readable .spec file (" + e + ")";
+    auto read = readResult(package + ".spec");
+    if (!read) {
+      error = "its package has no readable .spec file (" + message(read.takeError()) + ")";
       return nullptr;
     }
+    Specialization spec = std::move(*read);
     const ir::Graph &g = job.plan->graph();
     std::vector<bool> written(g.inputs.size());
     for (size_t k = 0; k < spec.writes.size(); ++k) {
@@ -600,8 +597,8 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
     log(name + ": " + error + "; compiling it again");
     fs::remove(package, ec);
   } else if (fs::exists(failed, ec)) {
-    error = "an earlier compile failed: " + readResult(failed) + " (delete " + failed +
-            " to retry)";
+    error = "an earlier compile failed: " + message(readResult(failed).takeError()) +
+            " (delete " + failed + " to retry)";
     log(name + ": stays on the plan executor; " + error);
     return nullptr;
   }
@@ -636,21 +633,20 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
     j.setMode(options_.mode);
     j.setPackage(package);
     j.setResult(resultPath);
-    if (std::string e = wire::writeMessageFile(jobPath, b); !e.empty()) {
-      error = "cannot write the compile job: " + e;
+    if (llvm::Error e = wire::writeMessageFile(jobPath, b)) {
+      error = "cannot write the compile job: " + message(std::move(e));
       log(name + ": " + error);
       return nullptr;
     }
   }
-  std::vector<std::string> argv = {options_.python, options_.worker, "--job", jobPath};
   log(name + ": compiling with inductor in the background (" + std::to_string(nodes) +
       " nodes); it runs on the plan executor meanwhile");
   auto start = std::chrono::steady_clock::now();
-  int status = spawnWorker(argv, base + ".log");
+  int status = worker.run(jobPath, base + ".log", std::chrono::seconds(options_.timeoutSeconds));
   double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   fs::remove(jobPath, ec);
   bool answered = fs::exists(resultPath, ec);
-  std::string said = answered ? readResult(resultPath) : "";
+  std::string said = answered ? message(readResult(resultPath).takeError()) : "";
   if (status != 0 || !answered || !said.empty()) {
     bool stopping;
     {
@@ -667,12 +663,12 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
       ++failures;
       log(name + ": inductor compile failed after " + seconds(took) + ": " + error +
           "; it stays on the plan executor (log: " + base + ".log)");
-    } else if (status == kTimedOut) {
+    } else if (status == CompileWorker::kTimedOut) {
       error = "the compile ran past its deadline of " + std::to_string(options_.timeoutSeconds) +
               " s and was stopped";
       ++failures;
       log(name + ": " + error + "; it stays on the plan executor");
-    } else if (status == 127) {
+    } else if (status == CompileWorker::kNotStarted) {
       error = "could not start the compile worker " + options_.python + " " + options_.worker;
       log(name + ": " + error);
     } else {
@@ -686,9 +682,8 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
   }
   fs::rename(resultPath, package + ".spec", ec);
   fs::remove(base + ".log", ec);
-  if (std::string e = writeFile(package + ".graph", record);
-      !e.empty()) {
-    error = e;
+  if (llvm::Error e = writeFile(package + ".graph", record)) {
+    error = message(std::move(e));
     log(name + ": " + error);
     return nullptr;
   }
@@ -702,79 +697,6 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, std::string
   log(name + ": inductor compiled in " + seconds(took) + " (" + std::to_string(nodes) +
       " nodes); later runs use it");
   return compiled;
-}
-
-int Compiler::spawnWorker(const std::vector<std::string> &argv, const std::string &logPath) {
-  // Everything the child needs is prepared before fork: after it, only exec-safe calls.
-  std::vector<char *> args;
-  for (const std::string &a : argv)
-    args.push_back(const_cast<char *>(a.c_str()));
-  args.push_back(nullptr);
-  std::vector<std::string> envStrings;
-  for (char **e = environ; *e; ++e)
-    if (std::strncmp(*e, "TORCHINDUCTOR_CACHE_DIR=", 24) != 0)
-      envStrings.push_back(*e);
-  envStrings.push_back("TORCHINDUCTOR_CACHE_DIR=" + options_.cacheDir + "/torchinductor");
-  std::vector<char *> env;
-  for (std::string &e : envStrings)
-    env.push_back(e.data());
-  env.push_back(nullptr);
-
-  const rlim_t cpuSeconds = options_.cpuSeconds;
-  const rlim_t addressSpace = device_.is_cuda() ? 0 : rlim_t(options_.memoryMiB) << 20;
-  pid_t pid;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_)
-      return -1;
-    pid = fork();
-    if (pid == 0) {
-      setpgid(0, 0);
-      prctl(PR_SET_PDEATHSIG, SIGKILL); // a killed server takes its compiles with it
-      int out = open(logPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      int in = open("/dev/null", O_RDONLY);
-      if (out >= 0) {
-        dup2(out, 1);
-        dup2(out, 2);
-      }
-      if (in >= 0)
-        dup2(in, 0);
-      // Nothing of the server is inherited: no client sockets, no listener, no cache files.
-      if (syscall(SYS_close_range, 3u, ~0u, 0u) != 0)
-        for (int fd = 3; fd < 65536; ++fd)
-          close(fd);
-      rlimit cpu{cpuSeconds, cpuSeconds + 5};
-      setrlimit(RLIMIT_CPU, &cpu);
-      if (addressSpace) {
-        rlimit as{addressSpace, addressSpace};
-        setrlimit(RLIMIT_AS, &as);
-      }
-      execve(args[0], args.data(), env.data());
-      _exit(127);
-    }
-    if (pid < 0)
-      return -1;
-    children_.insert(pid);
-  }
-  // A wall-clock deadline as well: a compile blocked on anything stops all the same.
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(options_.timeoutSeconds);
-  int status = 0;
-  bool timedOut = false;
-  for (;;) {
-    pid_t r = waitpid(pid, &status, WNOHANG);
-    if (r == pid || (r < 0 && errno != EINTR))
-      break;
-    if (!timedOut && std::chrono::steady_clock::now() > deadline) {
-      timedOut = true;
-      kill(-pid, SIGKILL);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  children_.erase(pid);
-  if (timedOut)
-    return kTimedOut;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 } // namespace rgpu::server

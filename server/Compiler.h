@@ -24,6 +24,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "CompileWorker.h"
 #include "Plan.h"
 
 #include <atomic>
@@ -31,7 +32,6 @@
 #include <deque>
 #include <map>
 #include <mutex>
-#include <set>
 #include <thread>
 
 namespace torch::inductor {
@@ -41,7 +41,8 @@ class AOTIModelPackageLoader;
 namespace rgpu::server {
 
 struct CompilerOptions {
-  std::string cacheDir; ///< Where packages persist.
+  std::string cacheDir;       ///< Where packages persist.
+  std::string kernelCacheDir; ///< Inductor's cache (the worker's TORCHINDUCTOR_CACHE_DIR).
   std::string python;   ///< An interpreter that can import torch.
   std::string worker;   ///< inductor_worker.py, shipped next to rgpu-opserver.
   std::string mode;     ///< "" (default), "max-autotune" or "reduce-overhead".
@@ -171,11 +172,11 @@ private:
     std::vector<int64_t> symbols;
   };
 
-  void work();
-  /// Loads the package for \p job from the cache, compiling it first if needed.
-  std::shared_ptr<const CompiledGraph> build(const Job &job, std::string &error);
-  /// Runs the worker process; returns its exit status (-1 if it could not start or was killed).
-  int spawnWorker(const std::vector<std::string> &argv, const std::string &logPath);
+  /// A compile thread, compiling in \p worker.
+  void work(CompileWorker &worker);
+  /// Loads the package for \p job from the cache, compiling it in \p worker first if needed.
+  std::shared_ptr<const CompiledGraph> build(const Job &job, CompileWorker &worker,
+                                             std::string &error);
   std::string stem(const ir::Hash256 &hash) const;
   /// Unloads the least recently run packages until those loaded fit memoryBytes. Under mu_.
   void unloadPastLimit(const ir::Hash256 &keep);
@@ -192,8 +193,8 @@ private:
   std::deque<Job> queue_;
   std::map<ir::Hash256, GraphState> graphs_;
   uint64_t tick_ = 0, loadedBytes_ = 0;
-  std::set<int> children_;
   bool stopping_ = false;
+  std::vector<std::unique_ptr<CompileWorker>> workers_; ///< One per compile thread.
   std::vector<std::thread> threads_;
 };
 

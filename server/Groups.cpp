@@ -294,16 +294,15 @@ std::shared_ptr<Groups::Join> Groups::startJoin(const std::string &store,
   if (prefix.size() > kMaxPrefix)
     throw std::runtime_error("a group's key prefix of more than " + std::to_string(kMaxPrefix) +
                              " bytes");
-  std::string storeHost, secret;
-  int port = 0;
-  if (store.empty()) {
-    if (!s_->hosted)
-      throw std::runtime_error("this session hosts no rendezvous store (hostStore first)");
-    rendezvous::parseAddress(s_->hostedAddress, storeHost, port, secret);
-  } else if (!rendezvous::parseAddress(store, storeHost, port, secret)) {
+  if (store.empty() && !s_->hosted)
+    throw std::runtime_error("this session hosts no rendezvous store (hostStore first)");
+  std::optional<rendezvous::StoreAddress> at =
+      rendezvous::parseAddress(store.empty() ? s_->hostedAddress : store);
+  if (!at)
     throw std::runtime_error("the rendezvous store '" + store +
                              "' is not an address a HostStore gave (host:port#secret)");
-  }
+  const std::string storeHost = at->host, secret = at->secret;
+  const int port = at->port;
   auto join = std::make_shared<Join>();
   std::thread([join, storeHost, port, secret, prefix, rank, size, host, timeout,
                ended = std::move(ended)]() mutable {

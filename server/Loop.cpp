@@ -627,10 +627,10 @@ Loop::Loop(Context &ctx, ConnectionLimits limits, int spinUs)
 Loop::~Loop() = default;
 
 llvm::Error Loop::listenUnix(const std::string &path) {
-  std::string error;
   std::string dir = path.substr(0, path.rfind('/'));
-  if (!dir.empty() && !net::auth::ensurePrivateDir(dir, error))
-    return failure("cannot listen on " + path + ": " + error);
+  if (!dir.empty())
+    if (llvm::Error e = net::auth::ensurePrivateDir(dir))
+      return failure("cannot listen on " + path + ": " + message(std::move(e)));
   struct stat st;
   if (lstat(path.c_str(), &st) == 0) {
     net::Socket probe;

@@ -104,6 +104,11 @@ const Flag kFlags[] = {
    "where compiled graphs persist, so that a restarted server compiles nothing twice (default: "
    "$XDG_CACHE_HOME/rgpu/server, else ~/.cache/rgpu/server)",
    [](Options &o, llvm::StringRef v) { return text(v, o.compile.cacheDir); }},
+  {kRun, "--kernel-cache", "DIR",
+   "Inductor's own cache of generated kernels and their compiled code, the compile worker's "
+   "TORCHINDUCTOR_CACHE_DIR (default: torchinductor in --cache-dir). Servers on one machine "
+   "may share one, each reusing the kernels the others compiled",
+   [](Options &o, llvm::StringRef v) { return text(v, o.compile.kernelCacheDir); }},
   {kRun, "--compile-after", "N",
    "compile a graph on its Nth run (default 2: graphs that run once, such as initialization, "
    "are not worth compiling)",
@@ -362,6 +367,8 @@ llvm::Expected<Options> parseOptions(int argc, char **argv, const char *python) 
     o.compile.python = python;
   if (o.compile.cacheDir.empty())
     o.compile.cacheDir = defaultCacheDir();
+  if (o.compile.kernelCacheDir.empty())
+    o.compile.kernelCacheDir = o.compile.cacheDir + "/torchinductor";
   // TCP only when asked for; the Unix socket when asked for or when nothing else is.
   if (o.storeHost.empty())
     o.storeHost = o.bind;

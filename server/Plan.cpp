@@ -226,8 +226,8 @@ at::Tensor restride(const at::Tensor &t, const ir::TensorMeta &meta) {
 llvm::Expected<std::unique_ptr<Plan>> Plan::build(ir::Graph graph, uint64_t maxValueBytes) {
   std::unique_ptr<Plan> plan(new Plan());
   plan->graph_ = std::move(graph);
-  if (std::string e = ir::verifyStructure(plan->graph_); !e.empty())
-    return failure(e);
+  if (llvm::Error e = ir::verifyStructure(plan->graph_))
+    return std::move(e);
   plan->metas_ = plan->graph_.valueMetas();
   // Sizes are peer numbers: a layout whose byte span overflows, or exceeds the limit, is refused
   // before anything is sized from it.

@@ -25,6 +25,8 @@ bool listElementCarried(const c10::TypePtr &list) {
   }
 }
 
+/// Why rgpu refuses the op of \p schema ("refused: ..."), "" if it admits it: a value kept per
+/// op (verdicts()), which admit() turns into a failure.
 std::string verdict(const c10::FunctionSchema &schema) {
   llvm::StringRef base(schema.name());
   if (llvm::StringRef why = ir::refusal(base); !why.empty())

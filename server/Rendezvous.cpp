@@ -245,17 +245,15 @@ bool Table::serve(const net::Frame &frame, std::string &reply, std::optional<Wai
 // Service
 //===----------------------------------------------------------------------===//
 
-bool readHello(const net::Frame &frame, std::string &nonce, std::string &mac) {
+std::optional<Hello> readHello(const net::Frame &frame) {
   try {
     wire::Limits limits;
     limits.maxFrameBytes = kMaxHandshakeBytes;
     auto message = net::openFrame(frame, limits);
     auto hello = message->getRoot<wire::StoreHello>();
-    nonce = text(hello.getNonce());
-    mac = text(hello.getMac());
-    return true;
+    return Hello{text(hello.getNonce()), text(hello.getMac())};
   } catch (const kj::Exception &) {
-    return false;
+    return std::nullopt;
   }
 }
 
@@ -366,9 +364,10 @@ void onTimer(uv_timer_t *t) {
 
 /// Checks the peer's StoreHello; on success, answers and seals the connection.
 bool prove(Connection *c, const net::Frame &frame) {
-  std::string nonce, mac;
-  if (!readHello(frame, nonce, mac))
+  std::optional<Hello> hello = readHello(frame);
+  if (!hello)
     return false;
+  const std::string &nonce = hello->nonce, &mac = hello->mac;
   const std::string &secret = c->service->secret;
   if (nonce.size() != net::auth::kNonceBytes ||
       !net::auth::sameMac(mac, net::auth::mac(kClientLabel, secret, c->challenge, nonce)))
@@ -795,32 +794,32 @@ std::string address(const std::string &host, int port, const std::string &secret
   return out;
 }
 
-bool parseAddress(const std::string &text, std::string &host, int &port, std::string &secret) {
+std::optional<StoreAddress> parseAddress(const std::string &text) {
   const size_t hash = text.rfind('#');
   if (hash == std::string::npos || text.size() - hash - 1 != 2 * kSecretBytes)
-    return false;
+    return std::nullopt;
   const size_t colon = text.rfind(':', hash);
   if (colon == std::string::npos || colon == 0)
-    return false;
+    return std::nullopt;
   const std::string digits = text.substr(colon + 1, hash - colon - 1);
   if (digits.empty() || digits.size() > 5 ||
       !std::all_of(digits.begin(), digits.end(), [](char ch) { return ch >= '0' && ch <= '9'; }))
-    return false;
-  port = std::stoi(digits);
-  if (port <= 0 || port > 65535)
-    return false;
+    return std::nullopt;
+  StoreAddress a;
+  a.port = std::stoi(digits);
+  if (a.port <= 0 || a.port > 65535)
+    return std::nullopt;
   auto nibble = [](char ch) {
     return ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
   };
-  secret.clear();
   for (size_t i = hash + 1; i < text.size(); i += 2) {
     int hi = nibble(text[i]), lo = nibble(text[i + 1]);
     if (hi < 0 || lo < 0)
-      return false;
-    secret += char(hi << 4 | lo);
+      return std::nullopt;
+    a.secret += char(hi << 4 | lo);
   }
-  host = text.substr(0, colon);
-  return true;
+  a.host = text.substr(0, colon);
+  return a;
 }
 
 } // namespace rgpu::server::rendezvous

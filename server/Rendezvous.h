@@ -83,8 +83,12 @@ private:
   uint64_t bytes_ = 0, changes_ = 0;
 };
 
-/// Reads a StoreHello frame into \p nonce and \p mac; false if it is not one.
-bool readHello(const net::Frame &frame, std::string &nonce, std::string &mac);
+/// What a peer's StoreHello says.
+struct Hello {
+  std::string nonce, mac;
+};
+/// Reads a StoreHello frame; nothing if it is not one.
+std::optional<Hello> readHello(const net::Frame &frame);
 
 /// A store listening for the servers of one job, each served on the Service's own thread.
 class Service {
@@ -173,7 +177,13 @@ std::string zeroAddressPadding(std::string value);
 
 /// "host:port#secret" (the secret in hex), as a HostStore reply gives a store's address.
 std::string address(const std::string &host, int port, const std::string &secret);
-/// Parses an address(); false if malformed.
-bool parseAddress(const std::string &text, std::string &host, int &port, std::string &secret);
+/// A store's address, as address() writes it.
+struct StoreAddress {
+  std::string host;
+  int port = 0;
+  std::string secret;
+};
+/// Parses an address(); nothing if malformed.
+std::optional<StoreAddress> parseAddress(const std::string &text);
 
 } // namespace rgpu::server::rendezvous

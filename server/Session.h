@@ -24,6 +24,7 @@
 #include "Plan.h"
 
 #include "rgpu/net/Frame.h"
+#include "rgpu/wire/RunArgs.h"
 #include "rgpu/wire/Wire.h"
 
 #include <chrono>
@@ -146,12 +147,6 @@ private:
 
   /// Runs graph \p r; returns its outputs' metas if the Run asks for them.
   std::vector<ir::TensorMeta> run(wire::Run::Reader r, const FrameTail *tail);
-  /// The inputs, scalars and restores of Run \p r of graph \p g (\p hash), whole or relative
-  /// to the previous run; a failure if they are not well formed.
-  llvm::Error runArgs(wire::Run::Reader r, const ir::Hash256 &hash, const ir::Graph &g,
-                      std::vector<uint64_t> &inputs,
-                      llvm::SmallVectorImpl<ir::ScalarValue> &scalars,
-                      std::vector<uint32_t> &restores);
   /// Binds the outputs of a run a Cancel stopped: each to \p why, except those \p restores
   /// (wire::Run.restores) binds to the tensor of an earlier version, one of the run's
   /// \p inputs (handles).
@@ -245,13 +240,8 @@ private:
   };
   /// What rgpu.server_stats() reports of the graphs this session holds.
   std::map<ir::Hash256, GraphUse> used_;
-  /// Per graph held, the inputs and scalars of its latest Run: a relative Run says what changed.
-  struct LastRun {
-    std::vector<uint64_t> inputs;
-    std::vector<ir::ScalarValue> scalars;
-    std::vector<uint32_t> restores; ///< wire::Run.restores
-  };
-  std::map<ir::Hash256, LastRun> lastRuns_;
+  /// Per graph held, its latest Run: a relative Run says what changed.
+  wire::RunArgsReader runArgs_;
   uint64_t runs_ = 0, executeNs_ = 0, compiledRuns_ = 0, writesInPlace_ = 0, runsCancelled_ = 0;
 
   // torch.distributed.

@@ -28,9 +28,9 @@ void Session::handleDefine(wire::Define::Reader r) {
   const uint64_t budget = ctx_.budgets.graphMemory;
   auto planned = [&]() -> llvm::Expected<std::shared_ptr<const Plan>> {
     ir::Graph graph;
-    auto admit = [](llvm::StringRef op) { return message(policy::admit(op)); };
-    if (std::string e = wire::decodeGraph(r.getGraph(), ctx_.limits(), graph, admit); !e.empty())
-      return failure(e);
+    auto admit = [](llvm::StringRef op) { return policy::admit(op); };
+    if (llvm::Error e = wire::decodeGraph(r.getGraph(), ctx_.limits(), graph, admit))
+      return std::move(e);
     if (llvm::Error e = groups_.check(graph))
       return std::move(e);
     uint64_t bytes = ir::graphBytes(graph);
@@ -72,73 +72,9 @@ void Session::handleForget(capnp::List<wire::Hash>::Reader hashes) {
     graphBytes_ -= it->second->bytes;
     defined_.erase(it);
     used_.erase(hash);
-    lastRuns_.erase(hash);
+    runArgs_.forget(hash);
     ++graphsForgotten_;
   }
-}
-
-llvm::Error Session::runArgs(wire::Run::Reader r, const ir::Hash256 &hash, const ir::Graph &g,
-                                  std::vector<uint64_t> &inputs,
-                                  llvm::SmallVectorImpl<ir::ScalarValue> &scalars,
-                                  std::vector<uint32_t> &restores) {
-  auto table = r.getScalars();
-  // The previous run is forgotten whatever goes wrong here: a later relative Run then fails
-  // too, loudly, instead of running on handles the two sides no longer agree on.
-  std::optional<LastRun> previous;
-  if (auto last = lastRuns_.find(hash); last != lastRuns_.end()) {
-    previous = std::move(last->second);
-    lastRuns_.erase(last);
-  }
-  if (!r.getRelative()) {
-    if (r.getInputs().size() != g.inputs.size() || table.size() != g.scalars.size())
-      return failure("the wrong number of inputs or scalars");
-    for (uint64_t h : r.getInputs())
-      inputs.push_back(h);
-    for (auto s : table)
-      scalars.push_back(wire::decodeScalar(s));
-  } else {
-    if (!previous)
-      return failure("relative to a run this session has not made");
-    if (previous->inputs.size() != g.inputs.size() || previous->scalars.size() != g.scalars.size())
-      return failure("relative to a run of another shape");
-    auto deltas = r.getInputDeltas();
-    if (deltas.size() % 2)
-      return failure("input deltas are not (delta, count) pairs");
-    for (size_t k = 0; k < deltas.size(); k += 2) {
-      const uint64_t count = uint64_t(deltas[k + 1]);
-      if (count > g.inputs.size() - inputs.size())
-        return failure("more input deltas than inputs");
-      for (uint64_t j = 0; j < count; ++j)
-        inputs.push_back(previous->inputs[inputs.size()] + uint64_t(deltas[k]));
-    }
-    if (inputs.size() != g.inputs.size())
-      return failure("fewer input deltas than inputs");
-    scalars.assign(previous->scalars.begin(), previous->scalars.end());
-    auto slots = r.getChangedSlots();
-    auto values = r.getChangedValues();
-    if (slots.size() != values.size())
-      return failure("changed scalar slots and values differ in number");
-    for (size_t k = 0; k < slots.size(); ++k) {
-      if (slots[k] >= scalars.size() || values[k] >= table.size())
-        return failure("a changed scalar out of range");
-      scalars[slots[k]] = wire::decodeScalar(table[values[k]]);
-    }
-  }
-  if (r.hasRestores() || !r.getRelative()) {
-    auto rs = r.getRestores();
-    if (rs.size() % 2 != 0 || rs.size() / 2 > g.outputs.size())
-      return failure("restores that are not (output, input) pairs, or more of them than outputs");
-    restores.clear();
-    for (uint32_t v : rs)
-      restores.push_back(v);
-  } else {
-    restores = std::move(previous->restores);
-  }
-  for (size_t k = 0; k < restores.size(); k += 2)
-    if (restores[k] >= g.outputs.size() || restores[k + 1] >= g.inputs.size())
-      return failure("a restore out of range");
-  lastRuns_[hash] = LastRun{inputs, {scalars.begin(), scalars.end()}, restores};
-  return llvm::Error::success();
 }
 
 void Session::handleRun(wire::Run::Reader r, const FrameTail *tail, Reply &reply) {
@@ -170,10 +106,9 @@ std::vector<ir::TensorMeta> Session::run(wire::Run::Reader r, const FrameTail *t
     return metas;
   }
   const ir::Graph &g = plan->graph();
-  std::vector<uint64_t> handles;
-  llvm::SmallVector<ir::ScalarValue, 8> scalars;
-  std::vector<uint32_t> restores;
-  llvm::Error bad = runArgs(r, hash, g, handles, scalars, restores);
+  llvm::Expected<wire::RunArgs> args =
+      runArgs_.read(hash, r, {g.inputs.size(), g.scalars.size(), g.outputs.size()});
+  llvm::Error bad = args.takeError();
   if (!bad && r.getNumOutputs() != g.outputs.size())
     bad = failure("the wrong number of outputs");
   if (bad) {
@@ -183,6 +118,9 @@ std::vector<ir::TensorMeta> Session::run(wire::Run::Reader r, const FrameTail *t
     poisonAll(e, g.outputs.size());
     return metas;
   }
+  const std::vector<uint64_t> &handles = args->inputs;
+  const std::vector<ir::ScalarValue> &scalars = args->scalars;
+  const std::vector<uint32_t> &restores = args->restores;
   // A symbolic graph's layouts and size-derived arguments for this run's sizes.
   Shapes shapes;
   const Shapes *sized = nullptr;
@@ -316,7 +254,7 @@ std::vector<ir::TensorMeta> Session::run(wire::Run::Reader r, const FrameTail *t
 
 void Session::cancelRun(uint64_t first, llvm::ArrayRef<uint64_t> inputs, size_t outputs,
                         llvm::ArrayRef<uint32_t> restores, ErrorPtr why) {
-  // runArgs checked the pairs against the graph, run() that every input is bound.
+  // RunArgsReader checked the pairs against the graph, run() that every input is bound.
   std::vector<Entry> bound(outputs, Entry{at::Tensor(), why});
   for (size_t k = 0; k + 1 < restores.size(); k += 2)
     if (auto it = tensors_.find(inputs[restores[k + 1]]); it != tensors_.end())
@@ -519,14 +457,8 @@ void Session::release(uint64_t handle) {
 }
 
 void Session::handleReleaseRanges(capnp::List<uint64_t>::Reader ranges) {
-  uint64_t total = 0;
-  bool ok = ranges.size() % 2 == 0;
-  for (size_t k = 1; ok && k < ranges.size(); k += 2)
-    ok = (total += std::min<uint64_t>(ranges[k], uint64_t(1) << 32)) <=
-         ctx_.limits().maxReleaseHandles;
-  if (!ok)
-    throw ProtocolError{"a Release of ranges that are not pairs or name more than " +
-                        std::to_string(ctx_.limits().maxReleaseHandles) + " handles"};
+  if (llvm::Error bad = wire::checkReleaseRanges(ranges, ctx_.limits().maxReleaseHandles))
+    throw ProtocolError{message(std::move(bad))};
   for (size_t k = 0; k < ranges.size(); k += 2)
     for (uint64_t h = ranges[k], end = ranges[k] + ranges[k + 1]; h != end; ++h)
       release(h);

@@ -1,9 +1,12 @@
 """Compiles one rgpu graph with TorchInductor, ahead of time; run by rgpu-opserver.
 
     python inductor_worker.py --job JOB
+    python inductor_worker.py --serve [--cpu-seconds S]
 
-The server starts one of these per graph it decides to compile, in the background, while the
-graph keeps running on the plan executor, under resource limits and a deadline. JOB is a
+The server compiles each graph it decides to compile in the background, while the graph keeps
+running on the plan executor, under resource limits and a deadline. It keeps one worker warm
+(--serve: torch and Inductor imported once), which forks a child per job; --job compiles one
+job in this process. JOB is a
 Cap'n Proto CompileJob: a graph that passed every check of the server's plan builder, the op
 each node runs, the scalar values of the run that asked for the compile, and where to put the
 package and the CompileResult. The worker rebuilds the graph as a Python function of aten ops,
@@ -14,8 +17,8 @@ loads and runs from C++, without Python. The package is written under a temporar
 renamed, so the cache never holds half an artifact.
 
 The worker imports torch and rgpu_compile_job (the wire format, shipped next to this file), and
-nothing of the rgpu client. Exit status 0 on success; otherwise 1, with the reason in the
-CompileResult and a traceback on stderr.
+nothing of the rgpu client. A job's exit status is 0 on success; otherwise 1, with the reason
+in the CompileResult and a traceback on stderr.
 """
 
 import argparse
@@ -494,12 +497,9 @@ def compile_graph(job):
             ranges, relations, writes)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="inductor_worker.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--job", required=True, help="the CompileJob file the server wrote")
-    args = parser.parse_args(argv)
-    job = rgpu_compile_job.read_job(args.job)
+def compile_job(path):
+    """Compiles the CompileJob in `path`; returns the exit status."""
+    job = rgpu_compile_job.read_job(path)
     start = time.time()
     try:
         fx_nodes, constants, ranges, relations, writes = compile_graph(job)
@@ -513,6 +513,74 @@ def main(argv=None):
     sys.stderr.write(f"compiled {fx_nodes} FX nodes in {time.time() - start:.1f} s; "
                      f"{len(constants)} of {len(job['scalars'])} scalars compiled as constants\n")
     return 0
+
+
+def run_child(job, log, cpu_seconds):
+    """A --serve child: the job alone, its output in `log`, under its CPU limit."""
+    import ctypes
+    import resource
+    import signal
+    import traceback
+    code = 2
+    try:
+        os.setpgid(0, 0)  # the server kills the job's whole group at its deadline
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the worker
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.close(null)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 5))
+        code = compile_job(job)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
+def serve(cpu_seconds):
+    """--serve: reads jobs from stdin, a line "JOB<tab>LOG" each, and compiles each in a child
+    forked for it; says "ready" once imported, then "started PID" and "exited STATUS" or
+    "killed SIGNAL" for each job, on stdout."""
+    import torch._inductor.compile_fx  # noqa: F401  (what every compile imports, once)
+    import torch.export  # noqa: F401
+
+    def say(line):
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    say("ready")
+    for request in sys.stdin:
+        job, log = request.rstrip("\n").split("\t")
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(run_child(job, log, cpu_seconds))
+        say(f"started {pid}")
+        _, status = os.waitpid(pid, 0)
+        say(f"exited {os.WEXITSTATUS(status)}" if os.WIFEXITED(status)
+            else f"killed {os.WTERMSIG(status)}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="inductor_worker.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", help="the CompileJob file the server wrote")
+    parser.add_argument("--serve", action="store_true", help="stay, compiling the jobs read from "
+                        "stdin, each in a child process")
+    parser.add_argument("--cpu-seconds", type=int, default=900,
+                        help="with --serve, the CPU time of each job")
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve(args.cpu_seconds)
+        return 0
+    if not args.job:
+        parser.error("--job or --serve is needed")
+    return compile_job(args.job)
 
 
 if __name__ == "__main__":

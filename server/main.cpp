@@ -51,14 +51,16 @@ llvm::Expected<std::vector<Principal>> readPrincipals(const std::string &dir,
     return failure("cannot read --tokens-dir " + dir + ": " + ec.message());
   std::sort(files.begin(), files.end());
   for (const fs::path &path : files) {
-    std::string name = path.filename().string(), token, error;
+    std::string name = path.filename().string();
     if (name.size() > 64 || !std::all_of(name.begin(), name.end(), [](char c) {
           return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
         }))
       return failure("--tokens-dir " + dir + ": '" + name + "' is not a principal's name "
                      "(letters, digits, '-', '_' and '.', at most 64)");
-    if (!net::auth::readToken(path.string(), token, error))
-      return failure(error);
+    auto read = net::auth::readToken(path.string());
+    if (!read)
+      return read.takeError();
+    const std::string &token = *read;
     for (const Principal &p : known)
       if (p.name == name || p.token == token)
         return failure("--tokens-dir " + dir + ": " + name +
@@ -75,10 +77,12 @@ llvm::Expected<std::vector<Principal>> readPrincipals(const std::string &dir,
 /// Listens on TCP as \p o says, for the principals of --token-file and --tokens-dir; returns
 /// where ("host:port") and a line for the log about the token.
 llvm::Expected<std::pair<std::string, std::string>> listenTcp(Loop &loop, const Options &o) {
-  std::string error, token;
-  bool created = false;
-  if (!net::auth::loadOrCreateToken(o.tokenFile, token, created, error))
-    return failure(error + " (TCP clients are let in by this token; see --token-file)");
+  auto loaded = net::auth::loadOrCreateToken(o.tokenFile);
+  if (!loaded)
+    return failure(message(loaded.takeError()) +
+                   " (TCP clients are let in by this token; see --token-file)");
+  const std::string token = loaded->token;
+  const bool created = loaded->created;
   std::vector<Principal> principals = {{fs::path(o.tokenFile).filename().string(), token}};
   if (!o.tokensDir.empty()) {
     auto more = readPrincipals(o.tokensDir, std::move(principals));

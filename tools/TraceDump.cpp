@@ -37,22 +37,23 @@ int fail(const std::string &message, int code = 1) {
   return code;
 }
 
-/// Resolves a hash or unique prefix to a loaded graph; returns an error message or "".
-std::string load(const std::string &dir, llvm::StringRef prefix, wire::GraphRecord &out) {
+/// The graph a hash or unique prefix names, loaded.
+llvm::Expected<wire::GraphRecord> load(const std::string &dir, llvm::StringRef prefix) {
   std::vector<ir::Hash256> all = wire::listCachedGraphs(dir);
   if (all.empty())
-    return "no graphs in " + dir + " (run a program on rgpu first; RGPU_CACHE_DIR sets the place)";
+    return failure("no graphs in " + dir +
+                   " (run a program on rgpu first; RGPU_CACHE_DIR sets the place)");
   std::string want = prefix.lower();
   std::vector<ir::Hash256> matches;
   for (const ir::Hash256 &h : all)
     if (llvm::StringRef(h.hex()).startswith(want))
       matches.push_back(h);
   if (want.empty() || matches.empty())
-    return "no graph matches '" + prefix.str() + "' in " + dir;
+    return failure("no graph matches '" + prefix + "' in " + dir);
   if (matches.size() > 1)
-    return "'" + prefix.str() + "' is ambiguous: it matches " + std::to_string(matches.size()) +
-           " graphs; give more digits";
-  return wire::readCachedGraph(wire::cacheFilePath(dir, matches[0]), out);
+    return failure("'" + prefix + "' is ambiguous: it matches " + llvm::Twine(matches.size()) +
+                   " graphs; give more digits");
+  return wire::readCachedGraph(wire::cacheFilePath(dir, matches[0]));
 }
 
 int list(const std::string &dir) {
@@ -61,12 +62,13 @@ int list(const std::string &dir) {
     return fail("no graphs in " + dir + " (run a program on rgpu first; RGPU_CACHE_DIR sets the place)");
   int bad = 0;
   for (const ir::Hash256 &h : all) {
-    wire::GraphRecord g;
-    if (std::string e = wire::readCachedGraph(wire::cacheFilePath(dir, h), g); !e.empty()) {
-      llvm::errs() << "rgpu-trace-dump: " << e << "\n";
+    auto read = wire::readCachedGraph(wire::cacheFilePath(dir, h));
+    if (!read) {
+      llvm::errs() << "rgpu-trace-dump: " << message(read.takeError()) << "\n";
       ++bad;
       continue;
     }
+    const wire::GraphRecord &g = *read;
     char when[32] = "?";
     std::time_t t = g.firstSeen;
     std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", std::localtime(&t));
@@ -105,9 +107,10 @@ int main(int argc, char **argv) {
   if (cmd == "show" && args.size() == 2) {
     if (format != "text" && format != "dot")
       return fail("--format must be text or dot", 2);
-    wire::GraphRecord g;
-    if (std::string e = load(dir, args[1], g); !e.empty())
-      return fail(e);
+    auto loaded = load(dir, args[1]);
+    if (!loaded)
+      return fail(message(loaded.takeError()));
+    const wire::GraphRecord &g = *loaded;
     if (format == "dot") {
       ir::printDot(g.graph, llvm::outs());
       return 0;
@@ -118,11 +121,13 @@ int main(int argc, char **argv) {
     return 0;
   }
   if (cmd == "diff" && args.size() == 3) {
-    wire::GraphRecord a, b;
-    if (std::string e = load(dir, args[1], a); !e.empty())
-      return fail(e);
-    if (std::string e = load(dir, args[2], b); !e.empty())
-      return fail(e);
+    auto first = load(dir, args[1]);
+    if (!first)
+      return fail(message(first.takeError()));
+    auto second = load(dir, args[2]);
+    if (!second)
+      return fail(message(second.takeError()));
+    const wire::GraphRecord &a = *first, &b = *second;
     bool shapesOnly = false;
     std::vector<std::string> lines = ir::diffGraphs(a.graph, b.graph, &shapesOnly);
     llvm::outs() << "--- " << a.hash.hex() << " (cut at " << a.cutAt << ")\n+++ " << b.hash.hex()

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "rgpu/ir/Graph.h"
+#include "rgpu/wire/RunArgs.h"
 #include "rgpu/wire/Wire.h"
 
 #include <llvm/ADT/SmallVector.h>
@@ -33,13 +34,11 @@ struct Define {
 /// Runs a graph the server holds. Its outputs get handles firstOutput, firstOutput + 1, ...
 struct Run {
   ir::Hash256 hash;
-  std::vector<uint64_t> inputs;         ///< Handles, in the canonical graph's input order.
-  std::vector<ir::ScalarValue> scalars; ///< In its scalar slot order.
+  wire::RunArgs args; ///< Input handles, scalars and restores, in canonical order.
   llvm::SmallVector<int64_t, 4> symbols; ///< The size symbols' values, of a symbolic graph.
   uint64_t firstOutput = 0;
   uint32_t outputs = 0;
   bool replyMetas = false; ///< Answer with the outputs' metas (data-dependent shapes).
-  std::vector<uint32_t> restores; ///< wire::Run.restores: (output, input) pairs.
 };
 
 /// One chunk of a CPU tensor's bytes for handle \p handle.

@@ -25,14 +25,14 @@ void Diagnostics::newGraph(const ir::Hash256 &hash, std::shared_ptr<const ir::Gr
   log_(10, "define graph " + hash.hex().substr(0, 12) + " (" + std::to_string(info.nodes) +
                " nodes), first cut at " + info.cutAt);
   if (!cacheDir_.empty()) {
-    wire::GraphRecord record;
-    if (wire::readCachedGraph(wire::cacheFilePath(cacheDir_, hash), record).empty()) {
-      info.firstSeen = record.firstSeen;
-      info.runsBefore = record.runs;
+    if (auto cached = wire::readCachedGraph(wire::cacheFilePath(cacheDir_, hash))) {
+      info.firstSeen = cached->firstSeen;
+      info.runsBefore = cached->runs;
     } else {
-      record = wire::GraphRecord{hash, *graph, info.firstSeen, 0, info.cutAt};
-      if (std::string e = wire::writeCachedGraph(cacheDir_, record); !e.empty())
-        log_(30, "rgpu: graph cache disabled: " + e);
+      llvm::consumeError(cached.takeError()); // not cached yet: it is now
+      wire::GraphRecord record{hash, *graph, info.firstSeen, 0, info.cutAt};
+      if (llvm::Error e = wire::writeCachedGraph(cacheDir_, record))
+        log_(30, "rgpu: graph cache disabled: " + message(std::move(e)));
     }
   }
 
@@ -88,11 +88,13 @@ void Diagnostics::flushCache() {
   if (cacheDir_.empty())
     return;
   for (auto &[hash, info] : graphs_) {
-    wire::GraphRecord record;
-    if (!wire::readCachedGraph(wire::cacheFilePath(cacheDir_, hash), record).empty())
+    auto record = wire::readCachedGraph(wire::cacheFilePath(cacheDir_, hash));
+    if (!record) { // gone or unwritable: the counts are a courtesy
+      llvm::consumeError(record.takeError());
       continue;
-    record.runs = info.runsBefore + info.runs;
-    wire::writeCachedGraph(cacheDir_, record);
+    }
+    record->runs = info.runsBefore + info.runs;
+    llvm::consumeError(wire::writeCachedGraph(cacheDir_, *record));
   }
 }
 

@@ -3,15 +3,7 @@
 #include <capnp/message.h>
 #include <capnp/serialize.h>
 
-#include <algorithm>
-#include <cstring>
-
 namespace rgpu::client {
-
-bool sameBits(const ir::ScalarValue &a, const ir::ScalarValue &b) {
-  return a.kind == b.kind && a.i == b.i && std::memcmp(&a.d, &b.d, sizeof a.d) == 0 &&
-         std::memcmp(&a.imag, &b.imag, sizeof a.imag) == 0;
-}
 
 //===----------------------------------------------------------------------===//
 // Commands into a client frame
@@ -27,16 +19,7 @@ uint64_t FrameEncoder::encode(wire::ClientFrame::Builder frame, llvm::ArrayRef<C
       dataBytes += u->length;
   }
   if (!releases.empty()) {
-    // As ranges: a step releases the previous step's outputs, which have consecutive handles.
-    std::sort(releases.begin(), releases.end());
-    releases.erase(std::unique(releases.begin(), releases.end()), releases.end());
-    std::vector<uint64_t> ranges; // (first, count) pairs
-    for (uint64_t h : releases) {
-      if (!ranges.empty() && ranges[ranges.size() - 2] + ranges.back() == h)
-        ++ranges.back();
-      else
-        ranges.insert(ranges.end(), {h, 1});
-    }
+    std::vector<uint64_t> ranges = wire::releaseRanges(std::move(releases));
     auto rel = cmds[commands.size()].initReleaseRanges(ranges.size());
     for (size_t k = 0; k < ranges.size(); ++k)
       rel.set(k, ranges[k]);
@@ -56,7 +39,7 @@ void FrameEncoder::put(const command::Define &c, wire::Command::Builder b) {
 void FrameEncoder::put(const command::Run &c, wire::Command::Builder b) {
   auto r = b.initRun();
   wire::encodeHash(c.hash, r.initHash());
-  putRunArgs(c, r);
+  runArgs_.write(c.hash, c.args, r);
   r.setFirstOutput(c.firstOutput);
   r.setNumOutputs(c.outputs);
   r.setReplyMetas(c.replyMetas);
@@ -96,7 +79,7 @@ void FrameEncoder::put(const command::Forget &c, wire::Command::Builder b) {
   auto f = b.initForget(c.hashes.size());
   for (size_t k = 0; k < c.hashes.size(); ++k) {
     wire::encodeHash(c.hashes[k], f[k]);
-    lastRuns_.erase(c.hashes[k]); // the server forgets its latest run too
+    runArgs_.forget(c.hashes[k]); // the server forgets its latest run too
   }
 }
 
@@ -146,79 +129,6 @@ void FrameEncoder::put(const command::JoinGroup &c, wire::Command::Builder b) {
   j.setRank(c.rank);
   j.setSize(c.size);
   j.setTimeoutMs(c.timeoutMs);
-}
-
-namespace {
-void putRestores(const std::vector<uint32_t> &restores, wire::Run::Builder r) {
-  auto rs = r.initRestores(restores.size());
-  for (size_t k = 0; k < restores.size(); ++k)
-    rs.set(k, restores[k]);
-}
-} // namespace
-
-void FrameEncoder::putRunArgs(const command::Run &c, wire::Run::Builder r) {
-  auto last = lastRuns_.find(c.hash);
-  if (last == lastRuns_.end() || last->second.inputs.size() != c.inputs.size() ||
-      last->second.scalars.size() != c.scalars.size()) {
-    auto in = r.initInputs(c.inputs.size());
-    for (size_t k = 0; k < c.inputs.size(); ++k)
-      in.set(k, c.inputs[k]);
-    auto sc = r.initScalars(c.scalars.size());
-    for (size_t k = 0; k < c.scalars.size(); ++k)
-      wire::encodeScalar(c.scalars[k], sc[k]);
-    putRestores(c.restores, r);
-    lastRuns_[c.hash] = LastRun{c.inputs, c.scalars, c.restores};
-    return;
-  }
-  // Relative to the previous run of this graph: handles as runs of equal deltas (a step's
-  // inputs are the last step's outputs, all a fixed number of handles on), scalars as the
-  // slots that changed and a table of their distinct values (Adam's bias corrections change
-  // every step, one value for every parameter).
-  LastRun &prev = last->second;
-  r.setRelative(true);
-  std::vector<int64_t> deltas;
-  for (size_t k = 0; k < c.inputs.size(); ++k) {
-    const int64_t d = int64_t(c.inputs[k] - prev.inputs[k]);
-    if (!deltas.empty() && deltas[deltas.size() - 2] == d)
-      ++deltas.back();
-    else
-      deltas.insert(deltas.end(), {d, 1});
-  }
-  auto in = r.initInputDeltas(deltas.size());
-  for (size_t k = 0; k < deltas.size(); ++k)
-    in.set(k, deltas[k]);
-  std::vector<uint32_t> slots;
-  std::vector<uint16_t> values;
-  std::vector<ir::ScalarValue> table;
-  for (size_t k = 0; k < c.scalars.size(); ++k) {
-    if (sameBits(c.scalars[k], prev.scalars[k]))
-      continue;
-    auto it = std::find_if(table.begin(), table.end(),
-                           [&](const ir::ScalarValue &v) { return sameBits(v, c.scalars[k]); });
-    if (it == table.end()) {
-      if (table.size() == 0xffff) { // too varied to say briefly: the whole run instead
-        lastRuns_.erase(last);
-        r.setRelative(false);
-        r.initInputDeltas(0);
-        return putRunArgs(c, r);
-      }
-      it = table.insert(table.end(), c.scalars[k]);
-    }
-    slots.push_back(uint32_t(k));
-    values.push_back(uint16_t(it - table.begin()));
-  }
-  auto sc = r.initScalars(table.size());
-  for (size_t k = 0; k < table.size(); ++k)
-    wire::encodeScalar(table[k], sc[k]);
-  auto sl = r.initChangedSlots(slots.size());
-  auto vl = r.initChangedValues(values.size());
-  for (size_t k = 0; k < slots.size(); ++k) {
-    sl.set(k, slots[k]);
-    vl.set(k, values[k]);
-  }
-  if (c.restores != prev.restores) // else absent: the previous run's
-    putRestores(c.restores, r);
-  prev = LastRun{c.inputs, c.scalars, c.restores};
 }
 
 //===----------------------------------------------------------------------===//

@@ -4,10 +4,8 @@
 // wire::ServerFrame back into values. Neither side of it waits, sends or knows about tensors:
 // the session decides what to queue and what a reply's results mean.
 //
-// A Run of a graph that ran before is written relative to that run (wire::Run.relative): its
-// input handles as (delta, count) pairs, its scalars as the slots that changed and a table of
-// their distinct values. The encoder keeps each graph's latest run for that, as the server
-// does, until a Forget of the graph.
+// A Run's arguments go through wire::RunArgsWriter (rgpu/wire/RunArgs.h): relative to the
+// graph's latest run where the server holds that run too.
 //
 //===----------------------------------------------------------------------===//
 #pragma once
@@ -23,9 +21,6 @@
 
 namespace rgpu::client {
 
-/// Whether two scalar values are equal as stored (a NaN equals itself).
-bool sameBits(const ir::ScalarValue &a, const ir::ScalarValue &b);
-
 /// Writes commands into client frames.
 class FrameEncoder {
 public:
@@ -35,7 +30,7 @@ public:
   uint64_t encode(wire::ClientFrame::Builder frame, llvm::ArrayRef<Command> commands,
                   std::vector<uint64_t> releases);
   /// Forgets every graph's latest run (a new session).
-  void clear() { lastRuns_.clear(); }
+  void clear() { runArgs_.clear(); }
 
 private:
   void put(const command::Define &c, wire::Command::Builder b);
@@ -51,16 +46,8 @@ private:
   void put(const command::RngState &c, wire::Command::Builder b);
   void put(const command::HostStore &c, wire::Command::Builder b);
   void put(const command::JoinGroup &c, wire::Command::Builder b);
-  /// A Run's inputs, scalars and restores: whole, or relative to the graph's latest run.
-  void putRunArgs(const command::Run &c, wire::Run::Builder r);
 
-  /// Per graph, the inputs, scalars and restores of the latest Run written.
-  struct LastRun {
-    std::vector<uint64_t> inputs;
-    std::vector<ir::ScalarValue> scalars;
-    std::vector<uint32_t> restores;
-  };
-  std::map<ir::Hash256, LastRun> lastRuns_;
+  wire::RunArgsWriter runArgs_;
 };
 
 /// A failure the server reported in a frame.

@@ -1,5 +1,5 @@
 #include "GraphCutter.h"
-#include "FrameCodec.h"
+#include "rgpu/wire/RunArgs.h"
 
 #include <llvm/ADT/DenseMap.h>
 #include <llvm/ADT/DenseSet.h>
@@ -259,7 +259,7 @@ bool GraphCutter::replay(const TraceKey &key, const Cut &cut, const GraphBudget 
     Resolved full = resolve(buildGraph(cut.nodes, cut.outputs), false, &key, site);
     if (full.hash != res.hash || full.symbols != res.symbols || full.handles != res.handles ||
         !std::equal(full.scalars.begin(), full.scalars.end(), res.scalars.begin(),
-                    res.scalars.end(), sameBits) ||
+                    res.scalars.end(), wire::sameBits) ||
         full.outputs != res.outputs || full.locations != res.locations)
       raise(ErrorKind::Remote, "rgpu: a replayed cut differs from its graph (" + full.hash.hex() +
                                    " vs " + res.hash.hex() + ")");

@@ -186,16 +186,16 @@ uint64_t Session::State::queueResolved(GraphCutter::Resolved r, bool replyMetas,
   command::Run run;
   run.hash = r.hash;
   run.symbols = std::move(r.symbols);
-  run.inputs = std::move(r.handles);
-  run.scalars = std::move(r.scalars);
+  run.args.inputs = std::move(r.handles);
+  run.args.scalars = std::move(r.scalars);
   run.outputs = r.outputs;
   run.firstOutput = newHandles(run.outputs);
   run.replyMetas = replyMetas;
   for (size_t k = 0; k + 1 < restores.size(); k += 2) {
-    auto input = std::find(run.inputs.begin(), run.inputs.end(), restores[k + 1]);
-    if (input != run.inputs.end())
-      run.restores.insert(run.restores.end(),
-                          {uint32_t(restores[k]), uint32_t(input - run.inputs.begin())});
+    auto input = std::find(run.args.inputs.begin(), run.args.inputs.end(), restores[k + 1]);
+    if (input != run.args.inputs.end())
+      run.args.restores.insert(run.args.restores.end(), {uint32_t(restores[k]),
+                                                         uint32_t(input - run.args.inputs.begin())});
   }
   const size_t nodes = r.locations.size();
   nodeLocations[r.hash] = std::move(r.locations);

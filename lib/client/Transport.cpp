@@ -60,9 +60,10 @@ llvm::Expected<Token> findToken(const ConnectionOptions &options) {
   token.source = (named ? "RGPU_TOKEN_FILE=" : "the token file ") + path;
   if (!named && ::access(path.c_str(), F_OK) != 0)
     return failure("RGPU_TOKEN and RGPU_TOKEN_FILE are unset, and " + path + " does not exist");
-  std::string error;
-  if (!net::auth::readToken(path, token.value, error))
-    return failure(error);
+  auto value = net::auth::readToken(path);
+  if (!value)
+    return value.takeError();
+  token.value = std::move(*value);
   return token;
 }
 

@@ -458,7 +458,9 @@ Hash256 skeletonHash(const Graph &g) { return blake2b256(canonicalBytes(g, true)
 // Structural verification
 //===----------------------------------------------------------------------===//
 
-std::string verifyStructure(const Graph &g) {
+namespace {
+/// The first structural problem of \p g, or "".
+std::string structureProblem(const Graph &g) {
   auto checkMeta = [](const TensorMeta &m) -> std::string {
     if (!dtype::isValid(m.dtype))
       return "invalid dtype " + std::to_string(int(m.dtype));
@@ -543,6 +545,13 @@ std::string verifyStructure(const Graph &g) {
     }
   }
   return "";
+}
+} // namespace
+
+llvm::Error verifyStructure(const Graph &g) {
+  if (std::string problem = structureProblem(g); !problem.empty())
+    return failure(problem);
+  return llvm::Error::success();
 }
 
 //===----------------------------------------------------------------------===//

@@ -82,42 +82,33 @@ std::string defaultSocketPath() {
 
 std::string defaultTokenPath() { return wire::userDir(wire::UserDir::Config) + "/rgpu/token"; }
 
-bool ensurePrivateDir(const std::string &dir, std::string &error) {
+llvm::Error ensurePrivateDir(const std::string &dir) {
   // Parents are made as usual (0755 under the umask); only the last directory is ours alone.
   for (size_t slash = dir.find('/', 1); slash != std::string::npos;
        slash = dir.find('/', slash + 1))
     ::mkdir(dir.substr(0, slash).c_str(), 0755);
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    error = "cannot create " + dir + ": " + std::strerror(errno);
-    return false;
-  }
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    return failure("cannot create " + dir + ": " + std::strerror(errno));
   struct stat st;
-  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    error = dir + " is not a directory";
-    return false;
-  }
-  if (st.st_uid != ::geteuid()) {
-    error = dir + " belongs to another user";
-    return false;
-  }
-  if (st.st_mode & 077) {
-    error = dir + " is open to other users (mode " + std::to_string((st.st_mode >> 6) & 7) +
-            std::to_string((st.st_mode >> 3) & 7) + std::to_string(st.st_mode & 7) +
-            "); `chmod 700 " + dir + "` and start again";
-    return false;
-  }
-  return true;
+  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    return failure(dir + " is not a directory");
+  if (st.st_uid != ::geteuid())
+    return failure(dir + " belongs to another user");
+  if (st.st_mode & 077)
+    return failure(dir + " is open to other users (mode " +
+                   std::to_string((st.st_mode >> 6) & 7) + std::to_string((st.st_mode >> 3) & 7) +
+                   std::to_string(st.st_mode & 7) + "); `chmod 700 " + dir + "` and start again");
+  return llvm::Error::success();
 }
 
-bool readToken(const std::string &path, std::string &token, std::string &error) {
+llvm::Expected<std::string> readToken(const std::string &path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) {
-    error = "cannot read the token file " + path + ": " + std::strerror(errno);
-    return false;
-  }
+  if (fd < 0)
+    return failure("cannot read the token file " + path + ": " + std::strerror(errno));
   struct stat st;
   char buf[4096];
   ssize_t n = -1;
+  std::string error;
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
     error = "the token file " + path + " is not a regular file";
   else if (st.st_uid != ::geteuid())
@@ -128,45 +119,41 @@ bool readToken(const std::string &path, std::string &token, std::string &error) 
     error = "cannot read the token file " + path + ": " + std::strerror(errno);
   ::close(fd);
   if (n < 0)
-    return false;
-  token.assign(buf, size_t(n));
+    return failure(error);
+  std::string token(buf, size_t(n));
   while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back())))
     token.pop_back();
-  if (token.size() < 16) {
-    error = "the token file " + path + " holds no token (16 characters at least)";
-    return false;
-  }
-  return true;
+  if (token.size() < 16)
+    return failure("the token file " + path + " holds no token (16 characters at least)");
+  return token;
 }
 
-bool loadOrCreateToken(const std::string &path, std::string &token, bool &created,
-                       std::string &error) {
-  created = false;
+llvm::Expected<LoadedToken> loadOrCreateToken(const std::string &path) {
   std::string dir = path.substr(0, path.rfind('/'));
-  if (!dir.empty() && !ensurePrivateDir(dir, error))
-    return false;
+  if (!dir.empty())
+    if (llvm::Error e = ensurePrivateDir(dir))
+      return std::move(e);
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) {
-    if (errno == EEXIST)
-      return readToken(path, token, error);
-    error = "cannot create the token file " + path + ": " + std::strerror(errno);
-    return false;
+    if (errno != EEXIST)
+      return failure("cannot create the token file " + path + ": " + std::strerror(errno));
+    auto token = readToken(path);
+    if (!token)
+      return token.takeError();
+    return LoadedToken{std::move(*token), false};
   }
   std::string secret = randomBytes(32);
   char hex[65];
   sodium_bin2hex(hex, sizeof hex, reinterpret_cast<const unsigned char *>(secret.data()),
                  secret.size());
-  token = hex;
-  std::string line = token + "\n";
+  std::string line = std::string(hex) + "\n";
   bool ok = ::write(fd, line.data(), line.size()) == ssize_t(line.size());
   ok = ::close(fd) == 0 && ok;
   if (!ok) {
     ::unlink(path.c_str());
-    error = "cannot write the token file " + path;
-    return false;
+    return failure("cannot write the token file " + path);
   }
-  created = true;
-  return true;
+  return LoadedToken{hex, true};
 }
 
 } // namespace rgpu::net::auth

@@ -27,37 +27,37 @@ std::string cacheFilePath(const std::string &dir, const ir::Hash256 &hash) {
   return std::string(path);
 }
 
-std::string writeMessageFile(const std::string &path, capnp::MessageBuilder &message) {
+llvm::Error writeMessageFile(const std::string &path, capnp::MessageBuilder &message) {
   auto words = capnp::messageToFlatArray(message);
   auto bytes = words.asBytes();
   std::string tmp = path + ".tmp" + std::to_string(getpid());
   FILE *f = std::fopen(tmp.c_str(), "wb");
   if (!f)
-    return "cannot write " + tmp;
+    return failure("cannot write " + tmp);
   bool ok = std::fwrite(bytes.begin(), 1, bytes.size(), f) == bytes.size();
   ok = std::fclose(f) == 0 && ok;
   if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());
-    return "cannot write " + path;
+    return failure("cannot write " + path);
   }
-  return "";
+  return llvm::Error::success();
 }
 
-std::string readMessageFile(const std::string &path, kj::Array<capnp::word> &words) {
+llvm::Expected<kj::Array<capnp::word>> readMessageFile(const std::string &path) {
   auto buffer = llvm::MemoryBuffer::getFile(path);
   if (!buffer)
-    return path + ": " + buffer.getError().message();
+    return failure(path + ": " + buffer.getError().message());
   llvm::StringRef data = (*buffer)->getBuffer();
   if (data.size() % sizeof(capnp::word) != 0 || data.empty())
-    return path + ": truncated or corrupt";
-  words = kj::heapArray<capnp::word>(data.size() / sizeof(capnp::word));
+    return failure(path + ": truncated or corrupt");
+  auto words = kj::heapArray<capnp::word>(data.size() / sizeof(capnp::word));
   std::memcpy(words.begin(), data.data(), data.size());
-  return "";
+  return std::move(words);
 }
 
-std::string writeCachedGraph(const std::string &dir, const GraphRecord &g) {
+llvm::Error writeCachedGraph(const std::string &dir, const GraphRecord &g) {
   if (std::error_code ec = llvm::sys::fs::create_directories(dir))
-    return "cannot create " + dir + ": " + ec.message();
+    return failure("cannot create " + dir + ": " + ec.message());
   capnp::MallocMessageBuilder b;
   auto root = b.initRoot<wire::CachedGraph>();
   encodeHash(g.hash, root.initHash());
@@ -68,26 +68,28 @@ std::string writeCachedGraph(const std::string &dir, const GraphRecord &g) {
   return writeMessageFile(cacheFilePath(dir, g.hash), b);
 }
 
-std::string readCachedGraph(const std::string &path, GraphRecord &g) {
-  kj::Array<capnp::word> words;
-  if (std::string e = readMessageFile(path, words); !e.empty())
-    return e;
+llvm::Expected<GraphRecord> readCachedGraph(const std::string &path) {
+  auto words = readMessageFile(path);
+  if (!words)
+    return words.takeError();
+  GraphRecord g;
   try {
     Limits limits;
-    capnp::FlatArrayMessageReader reader(words, readerOptions(limits, words.asBytes().size(), false));
+    capnp::FlatArrayMessageReader reader(*words,
+                                         readerOptions(limits, words->asBytes().size(), false));
     auto root = reader.getRoot<wire::CachedGraph>();
     g.hash = decodeHash(root.getHash());
-    if (std::string e = decodeGraph(root.getGraph(), limits, g.graph); !e.empty())
-      return path + ": corrupt graph: " + e;
+    if (llvm::Error e = decodeGraph(root.getGraph(), limits, g.graph))
+      return failure(path + ": corrupt graph: " + message(std::move(e)));
     if (ir::hashGraph(g.graph) != g.hash)
-      return path + ": corrupt graph: its contents do not match its hash";
+      return failure(path + ": corrupt graph: its contents do not match its hash");
     g.firstSeen = root.getFirstSeen();
     g.runs = root.getRuns();
     g.cutAt = root.getCutAt();
   } catch (const kj::Exception &e) {
-    return path + ": not a graph cache file (" + std::string(e.getDescription().cStr()) + ")";
+    return failure(path + ": not a graph cache file (" + e.getDescription().cStr() + ")");
   }
-  return "";
+  return std::move(g);
 }
 
 std::vector<ir::Hash256> listCachedGraphs(const std::string &dir) {

@@ -136,15 +136,15 @@ void encodeGraph(const ir::Graph &g, Graph::Builder b) {
   }
 }
 
-std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g, OpCheck check) {
+llvm::Error decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g, OpCheck check) {
   g = ir::Graph();
   if (r.getNodes().size() > limits.maxNodes)
-    return "graph has " + std::to_string(r.getNodes().size()) + " nodes, more than the limit of " +
-           std::to_string(limits.maxNodes);
+    return failure("graph has " + llvm::Twine(r.getNodes().size()) +
+                   " nodes, more than the limit of " + llvm::Twine(limits.maxNodes));
   for (auto m : r.getInputs()) {
     g.inputs.emplace_back();
     if (!decodeMeta(m, g.inputs.back()))
-      return "malformed input tensor meta";
+      return failure("malformed input tensor meta");
   }
   for (auto s : r.getScalars()) {
     // An enumerant this side does not know stays one the verifier refuses (not truncated).
@@ -162,8 +162,9 @@ std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g, OpC
     ir::Node &node = g.nodes.back();
     llvm::StringRef op(nr.getOp().cStr());
     if (check)
-      if (std::string why = check(op); !why.empty())
-        return "node " + std::to_string(g.nodes.size() - 1) + " (" + op.str() + "): " + why;
+      if (llvm::Error why = check(op))
+        return failure("node " + llvm::Twine(g.nodes.size() - 1) + " (" + op + "): " +
+                       message(std::move(why)));
     node.op = ir::Symbol::get(op);
     for (auto ar : nr.getArgs()) {
       ir::Arg arg;
@@ -183,7 +184,7 @@ std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g, OpC
       case Arg::TENSOR: arg = ir::Arg::ref(ir::Arg::Kind::Tensor, ar.getTensor()); break;
       case Arg::SCALAR: arg = ir::Arg::ref(ir::Arg::Kind::Scalar, ar.getScalar()); break;
       case Arg::LIST: arg = ir::Arg::ref(ir::Arg::Kind::List, ar.getList()); break;
-      default: return "unknown argument kind";
+      default: return failure("unknown argument kind");
       }
       node.args.push_back(arg);
     }
@@ -196,7 +197,7 @@ std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g, OpC
         continue;
       }
       if (!decodeMeta(m, node.outputs.back()))
-        return "malformed output tensor meta in " + node.op.str().str();
+        return failure("malformed output tensor meta in " + node.op.str());
     }
     node.loc = nr.getLoc();
   }
@@ -204,7 +205,7 @@ std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g, OpC
   g.symbolCount = r.getSymbolCount();
   for (auto sr : r.getSymbolic()) {
     if (sr.getFactors().size() > ir::SymExpr::kMaxFactors)
-      return "a symbolic integer with too many factors";
+      return failure("a symbolic integer with too many factors");
     ir::SymbolicInt s;
     s.position = sr.getPosition();
     s.expr.coef = sr.getCoef();

@@ -123,26 +123,33 @@ struct Define {
 
 struct Run {
   hash @0 :Hash;
-  inputs @1 :List(UInt64);       # handles, in canonical input order
-  scalars @2 :List(ScalarValue); # in canonical slot order
-  firstOutput @3 :UInt64;        # output k binds handle firstOutput + k
-  replyMetas @4 :Bool;           # reply with the output metas (data-dependent shapes)
-  numOutputs @5 :UInt32;         # lets the server poison the outputs of a graph it refused
-  symbols @6 :List(Int64);       # the values of a symbolic graph's size symbols for this run
-  # A steady training step runs the same graph on the previous step's outputs with mostly the
-  # same scalars. A relative Run says only what changed since this session's previous Run of
-  # the same graph (both sides remember its inputs and scalars; a Forget drops that memory):
-  relative @7 :Bool;
-  inputDeltas @8 :List(Int64);   # pairs (delta, count): the next count inputs are the previous
-                                 # run's handles plus delta; `inputs` is empty
-  changedSlots @9 :List(UInt32); # the scalar slots whose values changed...
-  changedValues @10 :List(UInt16); # ...each one's value, an index into `scalars`, which holds
-                                   # the distinct new values
-  # A cancelled run binds none of its outputs: each is an error (Error.pythonType "Cancelled"),
-  # except those that are a new version of a tensor the user updated in place (a parameter
-  # after an optimizer step): pairs (output k, input i) bind output k to input i's tensor, the
-  # version from before the run. Absent in a relative Run: those of the previous run.
-  restores @11 :List(UInt32);
+  firstOutput @1 :UInt64;        # output k binds handle firstOutput + k
+  replyMetas @2 :Bool;           # reply with the output metas (data-dependent shapes)
+  numOutputs @3 :UInt32;         # lets the server poison the outputs of a graph it refused
+  symbols @4 :List(Int64);       # the values of a symbolic graph's size symbols for this run
+  # What the run binds (rgpu/wire/RunArgs.h), whole or relative to this session's previous Run
+  # of the same graph: a steady training step runs the same graph on the previous step's
+  # outputs with mostly the same scalars. Both sides remember each graph's previous run; a
+  # Forget drops it.
+  union {
+    whole :group {
+      inputs @5 :List(UInt64);        # handles, in canonical input order
+      scalars @6 :List(ScalarValue);  # in canonical slot order
+      restores @7 :List(UInt32);      # see below
+    }
+    relative :group {
+      inputDeltas @8 :List(Int64);    # pairs (delta, count): the next count inputs are the
+                                      # previous run's handles plus delta
+      changedSlots @9 :List(UInt32);  # the scalar slots whose values changed...
+      changedValues @10 :List(UInt16); # ...each one's value, an index into values
+      values @11 :List(ScalarValue);  # the distinct new values
+      restores @12 :List(UInt32);     # absent: those of the previous run
+    }
+  }
+  # restores: a cancelled run binds none of its outputs: each is an error (Error.pythonType
+  # "Cancelled"), except those that are a new version of a tensor the user updated in place (a
+  # parameter after an optimizer step): pairs (output k, input i) bind output k to input i's
+  # tensor, the version from before the run.
 }
 
 struct Upload {

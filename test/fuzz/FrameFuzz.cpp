@@ -17,16 +17,27 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         switch (cmd.which()) {
         case wire::Command::DEFINE: {
           ir::Graph g;
-          if (wire::decodeGraph(cmd.getDefine().getGraph(), l, g).empty()) {
+          if (llvm::Error e = wire::decodeGraph(cmd.getDefine().getGraph(), l, g))
+            llvm::consumeError(std::move(e));
+          else {
             ir::hashGraph(g);
             ir::canonicalize(g);
           }
           break;
         }
-        case wire::Command::RUN:
-          for (auto s : cmd.getRun().getScalars())
-            wire::decodeScalar(s);
+        case wire::Command::RUN: {
+          // A reader that remembers nothing: a relative Run must fail cleanly; a whole one
+          // against the shape it claims, then again relative to itself.
+          auto run = cmd.getRun();
+          wire::RunArgsReader reader;
+          const ir::Hash256 h = wire::decodeHash(run.getHash());
+          const wire::RunShape shape{run.isWhole() ? run.getWhole().getInputs().size() : 0,
+                                     run.isWhole() ? run.getWhole().getScalars().size() : 0,
+                                     run.getNumOutputs()};
+          for (int pass = 0; pass < 2; ++pass)
+            llvm::consumeError(reader.read(h, run, shape).takeError());
           break;
+        }
         case wire::Command::UPLOAD: {
           ir::TensorMeta m;
           if (wire::decodeMeta(cmd.getUpload().getMeta(), m))

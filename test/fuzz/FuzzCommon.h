@@ -8,6 +8,7 @@
 #pragma once
 
 #include "rgpu/net/Frame.h"
+#include "rgpu/wire/RunArgs.h"
 #include "rgpu/wire/Wire.h"
 
 #include <cstddef>

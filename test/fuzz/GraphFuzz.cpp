@@ -28,9 +28,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       if (cmd.which() != wire::Command::DEFINE)
         continue;
       ir::Graph g;
-      auto admit = [](llvm::StringRef op) { return message(server::policy::admit(op)); };
-      if (!wire::decodeGraph(cmd.getDefine().getGraph(), l, g, admit).empty())
+      auto admit = [](llvm::StringRef op) { return server::policy::admit(op); };
+      if (llvm::Error e = wire::decodeGraph(cmd.getDefine().getGraph(), l, g, admit)) {
+        llvm::consumeError(std::move(e));
         continue;
+      }
       ir::hashGraph(g);
       ir::canonicalize(g);
       llvm::consumeError(server::Plan::build(std::move(g), l.maxTensorBytes).takeError());

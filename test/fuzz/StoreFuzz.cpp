@@ -28,11 +28,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     return 0;
   }
   if (mode == 3) {
-    std::string host, secret;
-    int port = 0;
     const std::string text(reinterpret_cast<const char *>(data), size);
-    if (rendezvous::parseAddress(text, host, port, secret) &&
-        rendezvous::address(host, port, secret) != text && text.find_first_of("ABCDEF") == text.npos)
+    auto a = rendezvous::parseAddress(text);
+    if (a && rendezvous::address(a->host, a->port, a->secret) != text &&
+        text.find_first_of("ABCDEF") == text.npos)
       std::abort();
     return 0;
   }
@@ -41,8 +40,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   auto frames = fuzz::frames(data, size, limits);
   if (mode == 1) {
     for (const net::Frame &f : frames) {
-      std::string nonce, mac;
-      rendezvous::readHello(f, nonce, mac);
+      rendezvous::readHello(f);
     }
     return 0;
   }

@@ -22,6 +22,11 @@ os.environ.setdefault("RGPU_CACHE_DIR", tempfile.mkdtemp(prefix="rgpu-test-graph
 # servers create the token there and clients find it there, as on a real host.
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="rgpu-test-config-")
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="rgpu-test-run-")
+# Inductor servers share one cache of Inductor's kernels for the whole run (--kernel-cache), as
+# servers on one machine can: a graph one test compiled costs the next no kernel build. Each
+# server keeps its own --cache-dir, so rgpu's packages are never shared between tests.
+KERNEL_CACHE = os.environ.setdefault("RGPU_TEST_KERNEL_CACHE",
+                                     tempfile.mkdtemp(prefix="rgpu-test-kernels-"))
 for _name in ("RGPU_TOKEN", "RGPU_TOKEN_FILE", "RGPU_OPSERVER"):
     os.environ.pop(_name, None)
 # A run started in the background of a shell without job control ignores SIGINT, and so would
@@ -46,6 +51,8 @@ class Server:
         # would compete for this machine's cores with every other test.
         if "--compiler" not in args:
             args = ("--compiler", "plan", *args)
+        if "inductor" in args and "--kernel-cache" not in args:
+            args = (*args, "--kernel-cache", KERNEL_CACHE)
         if "--device" not in args and "--devices" not in args:
             args = ("--device", "cpu", *args)
         where = [] if socket == "default" else ["--socket", socket] if socket else ["--port", "0"]

@@ -129,11 +129,16 @@ def test_the_compile_worker_inherits_no_descriptors_and_never_imports_the_client
     out, log = run_on_new_server(str(tmp_path / "cache"), "compiled-mlp")
     stats = out["stats"]
     assert stats["inductor_compiles"] >= 2 and stats["compile_failures"] == 0, (stats, log)
-    # Only its stdin, its log and what the recording shell itself holds: no client socket, no
-    # listener, no pipe, no file of the server's.
-    targets = {line.split(" -> ")[1] for line in fds.read_text().splitlines() if " -> " in line}
-    allowed = {"/dev/null", str(fds), python}
-    assert all(t in allowed or t.endswith(".log") for t in targets), targets
+    # The worker is started once and kept warm: its stdin and stdout are the one socket the
+    # server talks to it on; besides that only its log and what the recording shell itself
+    # holds: no client socket, no listener, no pipe, no file of the server's.
+    fd_targets = dict(line.split(" -> ") for line in fds.read_text().splitlines() if " -> " in line)
+    fd_targets = {where.split()[-1]: target for where, target in fd_targets.items()}
+    assert fd_targets["0"].startswith("socket:"), fd_targets
+    allowed = {"/dev/null", str(fds), python, fd_targets["0"]}
+    assert all(t in allowed or t.endswith(".log") for t in fd_targets.values()), fd_targets
+    # One worker started for every compile (`ls -l` begins each listing with "total").
+    assert fds.read_text().count("total ") == 1, fds.read_text()
 
 
 @pytest.mark.parametrize("limit, said", [
@@ -145,6 +150,59 @@ def test_a_compile_that_hits_a_limit_leaves_its_graph_on_the_plan(tmp_path, limi
     assert said in log, log
     stats = out["stats"]
     assert stats["inductor_compiles"] == 0 and stats["session"]["compiled_runs"] == 0, stats
+
+
+def warm_workers(server):
+    """The pids of `server`'s warm compile workers (its children running --serve)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if parent == server.proc.pid and b"--serve" in argv:
+            pids.append(int(pid))
+    return pids
+
+
+# Compiles one graph per unary op named on stdin, a line each, waiting for each compile.
+EACH_OP = (
+    "import json, sys, time, torch, rgpu\n"
+    "x = torch.randn(4, 8)\n"
+    "for line in sys.stdin:\n"
+    "    f = getattr(torch, line.strip())\n"
+    "    for _ in range(2):\n"
+    "        assert torch.allclose(f(x.to('rgpu') * 3).cpu(), f(x * 3), atol=1e-6)\n"
+    "    while rgpu.server_stats()['compiles_pending']:\n"
+    "        time.sleep(0.2)\n"
+    "    print(json.dumps(rgpu.server_stats()), flush=True)\n")
+
+
+def test_a_warm_worker_serves_every_compile_and_one_that_dies_is_started_again(tmp_path):
+    # The worker imports torch once and compiles each job in a child of its own. Killed between
+    # compiles, it is started again for the next one, which compiles like the first.
+    server = inductor_server(str(tmp_path), "--compile-after", "1")
+    client = subprocess.Popen([sys.executable, "-c", EACH_OP], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RGPU_OPSERVER=server.address))
+    try:
+        def compiled(op):
+            client.stdin.write(f"{op}\n")
+            client.stdin.flush()
+            return json.loads(client.stdout.readline())
+        assert compiled("cos")["inductor_compiles"] == 1
+        assert compiled("sin")["inductor_compiles"] == 2
+        (worker,) = warm_workers(server)  # one worker served both compiles
+        os.kill(worker, signal.SIGKILL)
+        stats = compiled("exp")
+        assert stats["inductor_compiles"] == 3 and stats["compile_failures"] == 0, stats
+        assert warm_workers(server) not in ([], [worker]), warm_workers(server)
+    finally:
+        client.kill()
+        server.stop()
 
 
 def test_graphs_with_unchecked_indexing_stay_on_the_plan(tmp_path):

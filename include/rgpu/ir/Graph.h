@@ -10,6 +10,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "rgpu/ir/Error.h"
 #include "rgpu/ir/OpFacts.h"
 
 #include <llvm/ADT/ArrayRef.h>
@@ -245,9 +246,9 @@ uint64_t graphBytes(const Graph &g);
 bool sameStructure(const Graph &a, const Graph &b);
 
 /// Checks internal consistency (operand ids refer to earlier values, arg indices in range, list
-/// counts in bounds, valid dtypes). Returns an empty string if well formed, else the first
-/// problem. This is structural only; the server checks ops against their schemas as well.
-std::string verifyStructure(const Graph &g);
+/// counts in bounds, valid dtypes); a failure says the first problem. This is structural only;
+/// the server checks ops against their schemas as well.
+[[nodiscard]] llvm::Error verifyStructure(const Graph &g);
 
 /// What differs between two graphs, one readable line per difference (empty if the structure is
 /// the same): differing input metas (`input 0: f32[8,16] vs f32[12,16]`), the first differing

@@ -9,6 +9,8 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "rgpu/ir/Error.h"
+
 #include <cstddef>
 #include <string>
 
@@ -44,13 +46,17 @@ std::string defaultSocketPath();
 std::string defaultTokenPath();
 
 /// Creates \p dir (and its parents) if missing; the directory itself must then belong to this
-/// user and be closed to everybody else (mode 0700), else false with \p error saying why.
-bool ensurePrivateDir(const std::string &dir, std::string &error);
+/// user and be closed to everybody else (mode 0700), else a failure saying why.
+[[nodiscard]] llvm::Error ensurePrivateDir(const std::string &dir);
 /// Reads the token in \p path: a file of this user that nobody else can read.
-bool readToken(const std::string &path, std::string &token, std::string &error);
+[[nodiscard]] llvm::Expected<std::string> readToken(const std::string &path);
+/// A token, and whether loadOrCreateToken created it.
+struct LoadedToken {
+  std::string token;
+  bool created = false;
+};
 /// Reads the token in \p path, or creates it (32 random bytes as hex, mode 0600) if the file
-/// does not exist; \p created says which.
-bool loadOrCreateToken(const std::string &path, std::string &token, bool &created,
-                       std::string &error);
+/// does not exist.
+[[nodiscard]] llvm::Expected<LoadedToken> loadOrCreateToken(const std::string &path);
 
 } // namespace rgpu::net::auth

@@ -31,14 +31,14 @@ std::string defaultCacheDir();
 
 /// The path of \p hash's file inside the cache directory \p dir.
 std::string cacheFilePath(const std::string &dir, const ir::Hash256 &hash);
-/// Writes \p g into \p dir (created if missing). Returns "" or what went wrong.
-std::string writeCachedGraph(const std::string &dir, const GraphRecord &g);
-/// Reads one cache file. Returns "" or why it cannot be read (missing, corrupt, wrong hash).
-std::string readCachedGraph(const std::string &path, GraphRecord &g);
-/// Writes \p message to \p path whole: to a temporary name, then renamed. "" or what went wrong.
-std::string writeMessageFile(const std::string &path, capnp::MessageBuilder &message);
-/// Reads a file holding one flat message into \p words. "" or what went wrong.
-std::string readMessageFile(const std::string &path, kj::Array<capnp::word> &words);
+/// Writes \p g into \p dir (created if missing).
+[[nodiscard]] llvm::Error writeCachedGraph(const std::string &dir, const GraphRecord &g);
+/// Reads one cache file; a failure says why it cannot be read (missing, corrupt, wrong hash).
+[[nodiscard]] llvm::Expected<GraphRecord> readCachedGraph(const std::string &path);
+/// Writes \p message to \p path whole: to a temporary name, then renamed.
+[[nodiscard]] llvm::Error writeMessageFile(const std::string &path, capnp::MessageBuilder &message);
+/// Reads a file holding one flat message.
+[[nodiscard]] llvm::Expected<kj::Array<capnp::word>> readMessageFile(const std::string &path);
 
 /// The hashes of every cache file in \p dir, sorted; empty if the directory does not exist.
 std::vector<ir::Hash256> listCachedGraphs(const std::string &dir);

@@ -18,7 +18,7 @@
 namespace rgpu::wire {
 
 /// Wire protocol version; bumped on any incompatible schema change.
-constexpr uint32_t kProtocolVersion = 11;
+constexpr uint32_t kProtocolVersion = 12;
 /// The most devices one server has (rgpu-opserver --devices).
 constexpr int kMaxDevices = 64;
 
@@ -60,13 +60,13 @@ void encodeMeta(const ir::TensorMeta &m, TensorMeta::Builder b);
 bool decodeMeta(TensorMeta::Reader r, ir::TensorMeta &m);
 
 void encodeGraph(const ir::Graph &g, Graph::Builder b);
-/// Says why an op name is refused ("" if it is accepted).
-using OpCheck = llvm::function_ref<std::string(llvm::StringRef)>;
-/// Decodes and structurally verifies a graph. Returns "" on success, else what is wrong. With
-/// \p check, every op name is checked before it is interned, so a refused graph leaves no name
-/// behind in the process.
-std::string decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g,
-                        OpCheck check = nullptr);
+/// Fails, saying why, if an op name is refused.
+using OpCheck = llvm::function_ref<llvm::Error(llvm::StringRef)>;
+/// Decodes and structurally verifies a graph; a failure says what is wrong. With \p check,
+/// every op name is checked before it is interned, so a refused graph leaves no name behind in
+/// the process.
+[[nodiscard]] llvm::Error decodeGraph(Graph::Reader r, const Limits &limits, ir::Graph &g,
+                                      OpCheck check = nullptr);
 
 void encodeScalar(const ir::ScalarValue &v, ScalarValue::Builder b);
 ir::ScalarValue decodeScalar(ScalarValue::Reader r);

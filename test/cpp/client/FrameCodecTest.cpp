@@ -27,8 +27,8 @@ command::Run runOf(const ir::Hash256 &hash, std::vector<uint64_t> inputs,
                    std::vector<ir::ScalarValue> scalars) {
   command::Run run;
   run.hash = hash;
-  run.inputs = std::move(inputs);
-  run.scalars = std::move(scalars);
+  run.args.inputs = std::move(inputs);
+  run.args.scalars = std::move(scalars);
   run.firstOutput = 100;
   run.outputs = 2;
   return run;
@@ -63,25 +63,24 @@ TEST(FrameCodec, AGraphsSecondRunSaysOnlyWhatChanged) {
   const ir::Hash256 g = hashOf(7);
   encoded(encoder, {runOf(g, {10, 11, 12}, {real(0.5), real(1.0)})}, [](auto cmds) {
     auto r = cmds[0].getRun();
-    EXPECT_FALSE(r.getRelative());
-    ASSERT_EQ(r.getInputs().size(), 3u);
-    EXPECT_EQ(r.getInputs()[2], 12u);
-    EXPECT_EQ(r.getScalars().size(), 2u);
+    ASSERT_TRUE(r.isWhole());
+    ASSERT_EQ(r.getWhole().getInputs().size(), 3u);
+    EXPECT_EQ(r.getWhole().getInputs()[2], 12u);
+    EXPECT_EQ(r.getWhole().getScalars().size(), 2u);
     EXPECT_EQ(r.getFirstOutput(), 100u);
     EXPECT_EQ(r.getNumOutputs(), 2u);
   });
   // The next step: every input three handles on, one scalar changed.
   encoded(encoder, {runOf(g, {13, 14, 15}, {real(0.5), real(2.0)})}, [](auto cmds) {
-    auto r = cmds[0].getRun();
-    EXPECT_TRUE(r.getRelative());
-    EXPECT_EQ(r.getInputs().size(), 0u);
+    ASSERT_TRUE(cmds[0].getRun().isRelative());
+    auto r = cmds[0].getRun().getRelative();
     ASSERT_EQ(r.getInputDeltas().size(), 2u); // (delta 3, count 3)
     EXPECT_EQ(r.getInputDeltas()[0], 3);
     EXPECT_EQ(r.getInputDeltas()[1], 3);
     ASSERT_EQ(r.getChangedSlots().size(), 1u);
     EXPECT_EQ(r.getChangedSlots()[0], 1u);
-    ASSERT_EQ(r.getScalars().size(), 1u);
-    EXPECT_EQ(wire::decodeScalar(r.getScalars()[0]).d, 2.0);
+    ASSERT_EQ(r.getValues().size(), 1u);
+    EXPECT_EQ(wire::decodeScalar(r.getValues()[0]).d, 2.0);
   });
 }
 
@@ -93,8 +92,8 @@ TEST(FrameCodec, AForgottenGraphRunsWholeAgain) {
     ASSERT_EQ(cmds.size(), 2u);
     ASSERT_EQ(cmds[0].getForget().size(), 1u);
     EXPECT_EQ(wire::decodeHash(cmds[0].getForget()[0]), g);
-    EXPECT_FALSE(cmds[1].getRun().getRelative());
-    EXPECT_EQ(cmds[1].getRun().getInputs()[0], 11u);
+    ASSERT_TRUE(cmds[1].getRun().isWhole());
+    EXPECT_EQ(cmds[1].getRun().getWhole().getInputs()[0], 11u);
   });
 }
 

@@ -274,22 +274,22 @@ TEST(Graph, DeepChainsDoNotOverflowTheStack) {
 }
 
 TEST(Graph, VerifierRejectsMalformedGraphs) {
-  EXPECT_EQ(verifyStructure(mulAdd()), "");
+  EXPECT_EQ(rgpu::message(verifyStructure(mulAdd())), "");
   Graph forward = mulAdd();
   forward.nodes[0].operands = {0, 3}; // uses a later value
-  EXPECT_NE(verifyStructure(forward), "");
+  EXPECT_NE(rgpu::message(verifyStructure(forward)), "");
   Graph badArg = mulAdd();
   badArg.nodes[0].args.push_back(Arg::ref(Arg::Kind::Tensor, 7));
-  EXPECT_NE(verifyStructure(badArg), "");
+  EXPECT_NE(rgpu::message(verifyStructure(badArg)), "");
   Graph badList = mulAdd();
   badList.nodes[0].args.push_back(Arg::ref(Arg::Kind::List, 3));
-  EXPECT_NE(verifyStructure(badList), "");
+  EXPECT_NE(rgpu::message(verifyStructure(badList)), "");
   Graph badDtype = mulAdd();
   badDtype.inputs[0].dtype = 99;
-  EXPECT_NE(verifyStructure(badDtype), "");
+  EXPECT_NE(rgpu::message(verifyStructure(badDtype)), "");
   Graph badOut = mulAdd();
   badOut.outputs = {17};
-  EXPECT_NE(verifyStructure(badOut), "");
+  EXPECT_NE(rgpu::message(verifyStructure(badOut)), "");
 }
 
 TEST(Graph, PrintsOneNodePerLine) {

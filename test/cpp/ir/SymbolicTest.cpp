@@ -102,7 +102,7 @@ TEST(Symbolic, AGenerationStepGeneralizesToOneSymbol) {
   ASSERT_TRUE(fitOf(families, decode(6), fit));
   EXPECT_TRUE(fit.isNew);
   EXPECT_EQ(fit.graph->symbolCount, 1u);
-  EXPECT_EQ(verifyStructure(*fit.graph), "");
+  EXPECT_EQ(rgpu::message(verifyStructure(*fit.graph)), "");
   EXPECT_EQ(fit.symbols, (llvm::SmallVector<int64_t, 4>{6}));
   Hash256 symbolic = fit.hash;
   for (int64_t n : {7, 50, 1, 5}) {
@@ -198,19 +198,19 @@ TEST(Symbolic, VerifyRefusesMalformedSymbols) {
   fitOf(families, decode(5), fit);
   ASSERT_TRUE(fitOf(families, decode(6), fit));
   Graph g = *fit.graph;
-  EXPECT_EQ(verifyStructure(g), "");
+  EXPECT_EQ(rgpu::message(verifyStructure(g)), "");
   Graph bad = g;
   bad.symbolic[0].expr.factors = {7};
-  EXPECT_NE(verifyStructure(bad), "");
+  EXPECT_NE(rgpu::message(verifyStructure(bad)), "");
   bad = g;
   bad.symbolic.back().position = 1u << 20;
-  EXPECT_NE(verifyStructure(bad), "");
+  EXPECT_NE(rgpu::message(verifyStructure(bad)), "");
   bad = g;
   bad.inputs[0].sizes[2] = 5; // a symbolic position holding a value
-  EXPECT_NE(verifyStructure(bad), "");
+  EXPECT_NE(rgpu::message(verifyStructure(bad)), "");
   bad = g;
   bad.symbolCount = 0;
-  EXPECT_NE(verifyStructure(bad), "");
+  EXPECT_NE(rgpu::message(verifyStructure(bad)), "");
   // Expressions overflow into an error, never a wrapped size.
   bad = g;
   bad.symbolic[1].expr.coef = int64_t(1) << 62;

@@ -112,7 +112,7 @@ void runIn(wire::Command::Builder cmd, const ir::Hash256 &hash, std::vector<uint
            uint64_t first, uint64_t outputs) {
   auto run = cmd.initRun();
   wire::encodeHash(hash, run.initHash());
-  auto in = run.initInputs(inputs.size());
+  auto in = run.initWhole().initInputs(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i)
     in.set(i, inputs[i]);
   run.setFirstOutput(first);
@@ -224,7 +224,7 @@ public:
       wire::encodeGraph(g, def.initGraph());
       auto run = cmds[2].initRun();
       wire::encodeHash(hash, run.initHash());
-      run.initInputs(1).set(0, in);
+      run.initWhole().initInputs(1).set(0, in);
       run.setFirstOutput(out);
       run.setNumOutputs(1);
       auto down = cmds[3].initDownload();
@@ -887,14 +887,14 @@ TEST(Faults, RelativeRunsThatDisagreeAreErrorsAndForgetWhatTheyWereRelativeTo) {
     return [=](wire::Command::Builder cmd) {
       auto run = cmd.initRun();
       wire::encodeHash(hash, run.initHash());
-      run.setRelative(true);
-      auto d = run.initInputDeltas(deltas.size());
+      auto rel = run.initRelative();
+      auto d = rel.initInputDeltas(deltas.size());
       for (size_t k = 0; k < deltas.size(); ++k)
         d.set(k, deltas[k]);
-      auto s = run.initChangedSlots(slots.size());
+      auto s = rel.initChangedSlots(slots.size());
       for (size_t k = 0; k < slots.size(); ++k)
         s.set(k, slots[k]);
-      auto v = run.initChangedValues(values.size());
+      auto v = rel.initChangedValues(values.size());
       for (size_t k = 0; k < values.size(); ++k)
         v.set(k, values[k]);
       run.setFirstOutput(first);
@@ -1668,10 +1668,10 @@ TEST(Faults, TheRendezvousStoreServesOnlyTheJobsSecretAndChargesItsSession) {
   host.hello();
   auto reply = host.send(true, 1, [](auto cmds) { cmds[0].setHostStore(); });
   ASSERT_TRUE(reply);
-  std::string storeHost, secret;
-  int port = 0;
-  ASSERT_TRUE(rgpu::server::rendezvous::parseAddress(textOf(*reply), storeHost, port, secret))
-      << textOf(*reply) << Peer::errorOf(*reply);
+  auto at = rgpu::server::rendezvous::parseAddress(textOf(*reply));
+  ASSERT_TRUE(at) << textOf(*reply) << Peer::errorOf(*reply);
+  const std::string storeHost = at->host, secret = at->secret;
+  const int port = at->port;
   Beside beside;
   // Without the secret: refused at the handshake.
   rgpu::server::rendezvous::Client forger(storeHost, port, std::string(secret.size(), 'x'),

@@ -324,17 +324,17 @@ TEST(Rendezvous, GlooRecordsLeaveWithoutTheServersStrayBytes) {
 }
 
 TEST(Rendezvous, AddressesCarryTheSecret) {
-  std::string host, secret;
-  int port = 0;
   const std::string text = address("127.0.0.1", 4242, kSecret);
-  ASSERT_TRUE(parseAddress(text, host, port, secret));
-  EXPECT_EQ(host, "127.0.0.1");
-  EXPECT_EQ(port, 4242);
-  EXPECT_EQ(secret, kSecret);
-  ASSERT_TRUE(parseAddress(address("::1", 1, kSecret), host, port, secret));
-  EXPECT_EQ(host, "::1");
+  auto a = parseAddress(text);
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->host, "127.0.0.1");
+  EXPECT_EQ(a->port, 4242);
+  EXPECT_EQ(a->secret, kSecret);
+  auto six = parseAddress(address("::1", 1, kSecret));
+  ASSERT_TRUE(six);
+  EXPECT_EQ(six->host, "::1");
   for (const char *bad : {"127.0.0.1:4242", "127.0.0.1:99999#", ":1#00", "h:0#",
                           "h:x#0000000000000000000000000000000000000000000000000000000000000000"})
-    EXPECT_FALSE(parseAddress(bad, host, port, secret)) << bad;
-  EXPECT_FALSE(parseAddress("h:1#" + std::string(64, 'g'), host, port, secret));
+    EXPECT_FALSE(parseAddress(bad)) << bad;
+  EXPECT_FALSE(parseAddress("h:1#" + std::string(64, 'g')));
 }
