@@ -53,7 +53,8 @@ build: deps venv $(BUILD)/build.ninja
 test-cpp: build
 	cd $(BUILD) && ../$(VENV)/bin/ctest --output-on-failure
 
-# Two test processes: most tests wait on servers and subprocesses (20 min alone, 13 in two).
+# Two test processes: most tests wait on servers and subprocesses (13 min in two; a third
+# process does not help on two cores, where the compiles and transfers then compete).
 test-python: build
 	$(PY) -m pytest -q -n 2 test/python
 
@@ -81,10 +82,10 @@ fuzz: fuzz-build
 test-fuzz: fuzz-build
 	for t in $(FUZZ_TARGETS); do test/fuzz/run.sh $(FUZZ_BUILD) $$t 10 -runs=20000 || exit 1; done
 
-# The packaging check and the fuzz smoke run come after the tests, side by side: neither
-# measures time, and the tests that do get the machine to themselves.
-test: test-cpp test-python
-	@$(MAKE) --no-print-directory -j2 --output-sync=target test-package test-fuzz
+# The Python tests first, with the machine to themselves; then the C++ tests (which mostly
+# wait on a server's timeouts), the packaging check and the fuzz smoke run side by side.
+test: test-python
+	@$(MAKE) --no-print-directory -j3 --output-sync=target test-cpp test-package test-fuzz
 
 run: build
 	$(PY) examples/train.py

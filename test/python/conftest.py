@@ -27,6 +27,10 @@ os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="rgpu-test-run-")
 # server keeps its own --cache-dir, so rgpu's packages are never shared between tests.
 KERNEL_CACHE = os.environ.setdefault("RGPU_TEST_KERNEL_CACHE",
                                      tempfile.mkdtemp(prefix="rgpu-test-kernels-"))
+# Clients and servers sleep at once while they wait instead of polling for a millisecond
+# first: two tests at a time on two cores, a poll would take the core the awaited work needs.
+# (test_server_cli.py polls on purpose, with --spin-us.)
+os.environ["RGPU_SPIN_US"] = "0"
 for _name in ("RGPU_TOKEN", "RGPU_TOKEN_FILE", "RGPU_OPSERVER"):
     os.environ.pop(_name, None)
 # A run started in the background of a shell without job control ignores SIGINT, and so would
@@ -51,6 +55,8 @@ class Server:
         # would compete for this machine's cores with every other test.
         if "--compiler" not in args:
             args = ("--compiler", "plan", *args)
+        if "--spin-us" not in args:
+            args = (*args, "--spin-us", "0")
         if "inductor" in args and "--kernel-cache" not in args:
             args = (*args, "--kernel-cache", KERNEL_CACHE)
         if "--device" not in args and "--devices" not in args:

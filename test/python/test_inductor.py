@@ -181,9 +181,10 @@ EACH_OP = (
     "    print(json.dumps(rgpu.server_stats()), flush=True)\n")
 
 
-def test_a_warm_worker_serves_every_compile_and_one_that_dies_is_started_again(tmp_path):
-    # The worker imports torch once and compiles each job in a child of its own. Killed between
-    # compiles, it is started again for the next one, which compiles like the first.
+def test_a_warm_worker_that_dies_is_started_again(tmp_path):
+    # The worker imports torch once and compiles each job in a child of its own (one worker
+    # serves every compile: the descriptors test). Killed between compiles, it is started again
+    # for the next one, which compiles like the first.
     server = inductor_server(str(tmp_path), "--compile-after", "1")
     client = subprocess.Popen([sys.executable, "-c", EACH_OP], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True,
@@ -194,11 +195,10 @@ def test_a_warm_worker_serves_every_compile_and_one_that_dies_is_started_again(t
             client.stdin.flush()
             return json.loads(client.stdout.readline())
         assert compiled("cos")["inductor_compiles"] == 1
-        assert compiled("sin")["inductor_compiles"] == 2
-        (worker,) = warm_workers(server)  # one worker served both compiles
+        (worker,) = warm_workers(server)  # it stays after its compile
         os.kill(worker, signal.SIGKILL)
-        stats = compiled("exp")
-        assert stats["inductor_compiles"] == 3 and stats["compile_failures"] == 0, stats
+        stats = compiled("sin")
+        assert stats["inductor_compiles"] == 2 and stats["compile_failures"] == 0, stats
         assert warm_workers(server) not in ([], [worker]), warm_workers(server)
     finally:
         client.kill()
@@ -340,7 +340,8 @@ def test_caches_smaller_than_the_compiled_graphs_evict_and_train_the_same(tmp_pa
 
 
 # Steps of a static cache written by slice, by index_copy_ and with its old value read besides
-# the write, on rgpu and on CPU; prints each kind's compiled runs and writes in place.
+# the write (those named by `KINDS`, else all three), on rgpu and on CPU; prints each kind's
+# compiled runs and writes in place.
 CACHE_WRITES = (
     "import json, time, torch, rgpu\n"
     "def steps(device, how):\n"
@@ -365,7 +366,7 @@ CACHE_WRITES = (
     "                time.sleep(0.2)\n"
     "    return values, cache.cpu()\n"
     "out = {}\n"
-    "for how in ('slice', 'index', 'read-old'):\n"
+    "for how in globals().get('KINDS', ('slice', 'index', 'read-old')):\n"
     "    before = rgpu.server_stats()['session']\n"
     "    (got, gc), (want, wc) = steps('rgpu', how), steps('cpu', how)\n"
     "    assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-4), (got, want)\n"
@@ -426,7 +427,8 @@ def test_a_spec_naming_writes_the_graph_cannot_have_is_compiled_again(tmp_path):
     # names an output or input the graph lacks is refused, and the graph compiled again.
     sys.path.insert(0, os.path.join(REPO, "python", "rgpu", "bin"))
     import rgpu_compile_job
-    stats_on_new_server(tmp_path, CACHE_WRITES, "--compile-after", "2")
+    code = "KINDS = ('slice',)\n" + CACHE_WRITES  # a package that writes in place
+    stats_on_new_server(tmp_path, code, "--compile-after", "2")
     specs = [os.path.join(tmp_path, "inductor", f) for f in os.listdir(tmp_path / "inductor")
              if f.endswith(".pt2.spec")]
     assert specs
@@ -434,7 +436,7 @@ def test_a_spec_naming_writes_the_graph_cannot_have_is_compiled_again(tmp_path):
         rgpu_compile_job.write_ok(spec, [], 1, writes=[(99, 0)])
     server = inductor_server(str(tmp_path), "--compile-after", "2")
     try:
-        out = last_json(server, CACHE_WRITES, timeout=600)
+        out = last_json(server, code, timeout=600)
         log = "".join(server.log)
     finally:
         server.stop()
