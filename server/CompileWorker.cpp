@@ -142,14 +142,17 @@ int CompileWorker::run(const std::string &jobPath, const std::string &logPath,
     std::lock_guard<std::mutex> lock(mu_);
     job_ = pid_t(std::atoll(line.c_str() + 8));
   }
-  // The child's end, or its deadline: then it is killed, and the worker says so.
+  // The child's end, or its deadline: then it is killed, and the worker says so (a worker that
+  // does not within a few seconds is ended too).
   bool killed = false;
-  while (!readLine(line, deadline, timedOut)) {
+  auto until = deadline;
+  while (!readLine(line, until, timedOut)) {
     if (!timedOut || killed) {
       end();
       return killed ? kTimedOut : -1;
     }
     killed = true;
+    until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     std::lock_guard<std::mutex> lock(mu_);
     if (job_ > 0)
       kill(-job_, SIGKILL);
