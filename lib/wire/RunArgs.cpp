@@ -90,7 +90,7 @@ llvm::Expected<RunArgs> RunArgsReader::read(const ir::Hash256 &graph, Run::Reade
     last_.erase(last);
   }
   RunArgs args;
-  capnp::List<uint32_t>::Reader restores;
+  std::optional<capnp::List<uint32_t>::Reader> restores; // absent: the previous run's
   if (r.isWhole()) {
     auto w = r.getWhole();
     if (w.getInputs().size() != shape.inputs || w.getScalars().size() != shape.scalars)
@@ -130,16 +130,15 @@ llvm::Expected<RunArgs> RunArgsReader::read(const ir::Hash256 &graph, Run::Reade
         return failure("a changed scalar out of range");
       args.scalars[slots[k]] = decodeScalar(table[values[k]]);
     }
-    if (!rel.hasRestores())
-      args.restores = std::move(previous->restores);
-    else
+    if (rel.hasRestores())
       restores = rel.getRestores();
+    else
+      args.restores = std::move(previous->restores);
   }
-  if (r.isWhole() || r.getRelative().hasRestores()) {
-    if (restores.size() % 2 != 0 || restores.size() / 2 > shape.outputs)
+  if (restores) {
+    if (restores->size() % 2 != 0 || restores->size() / 2 > shape.outputs)
       return failure("restores that are not (output, input) pairs, or more of them than outputs");
-    args.restores.clear();
-    for (uint32_t v : restores)
+    for (uint32_t v : *restores)
       args.restores.push_back(v);
   }
   for (size_t k = 0; k < args.restores.size(); k += 2)
