@@ -8,8 +8,12 @@ started and warmed up one after another, then timed in interleaved rounds (6, or
 --quick), each round in a rotated order, so that the machine's slow spells fall on every system
 alike. Before a round, a process waits until its server has no compile pending; a round that a
 compile overlapped anyway is counted. step_ms is the median of all timed steps (the mean for the pipelined -ready loops), with p10/p90;
-`noise` in the JSON is the spread of cpu-eager's round medians, the machine's own. Results:
-OUT/latest.json, OUT/latest.png, and a table on stdout. Compare ratios within one run.
+`noise` in the JSON is the spread of cpu-eager's round medians, the machine's own. Each rgpu
+run has `server_idle_share`: the share of its timed steps' time in which the server ran none of
+its graphs (waiting for the client to trace, or for the link). `compile` compares the time to
+compile the gpt and cnn steps, the server's Inductor against local torch.compile, each from
+empty caches (`compile_time_ratio`). Results: OUT/latest.json, OUT/latest.png, and a table on
+stdout. Compare ratios within one run.
 
 Systems:
   cpu-eager       local eager PyTorch on CPU
@@ -224,8 +228,11 @@ def child(args):
 
     step = make_workload(args.workload, device, system)
     start_server = rgpu.server_stats() if rgpu else None
+    warm_times = []
     for i in range(args.warmup):
+        start = time.perf_counter()
         step(i)
+        warm_times.append(time.perf_counter() - start)
     warm_wait = 0.0
     if system == "rgpu-inductor":
         for _ in range(5):  # until warm-up steps queue no more compiles
@@ -238,8 +245,8 @@ def child(args):
 
     # Counters of the timed steps only: the stats calls between rounds are left out.
     keys = ("waits", "throttled", "messages", "bytes_out", "bytes_in", "graph_runs")
-    totals = dict.fromkeys(keys + ("compiled_runs", "execute_ms"), 0.0)
-    timed = 0
+    totals = dict.fromkeys(keys + ("compiled_runs", "execute_ms", "wall_ms"), 0.0)
+    timed, steady = 0, []
     for line in sys.stdin:
         words = line.split()
         if words[0] == "run":
@@ -257,6 +264,8 @@ def child(args):
                 step(timed)
                 times.append((time.perf_counter() - start) * 1e3)
                 timed += 1
+            steady += times
+            totals["wall_ms"] += sum(times)
             overlapped = False
             if rgpu:
                 after = rgpu.stats()
@@ -281,12 +290,21 @@ def child(args):
                            graph_runs_per_step=d["graph_runs"],
                            compiled_runs_per_step=d["compiled_runs"],
                            server_execute_ms_per_step=d["execute_ms"],
+                           # The share of the timed steps' time the server ran none of this
+                           # client's graphs (a CPU server runs a graph in its execute time).
+                           server_idle_share=max(0.0, 1 - d["execute_ms"] / d["wall_ms"]),
                            compiles=server["inductor_compiles"] - start_server["inductor_compiles"],
                            cache_loads=server["disk_cache_hits"] - start_server["disk_cache_hits"])
             elif system == "cpu-compile":
                 from torch._dynamo.utils import counters
 
                 out["compiles"] = counters["stats"]["unique_graphs"]
+            if args.cold and rgpu:  # the server's compiles, start to package loaded
+                out["compile_s"] = (rgpu.server_stats()["compile_ms"]
+                                    - start_server["compile_ms"]) / 1e3
+            elif args.cold and steady:  # what the warm-up steps took beyond a steady step
+                out["compile_s"] = sum(warm_times) - len(warm_times) * \
+                    statistics.median(steady) / 1e3
             print(json.dumps(out), flush=True)
 
 
@@ -328,16 +346,18 @@ class Child:
     """A `--child` process serving one (workload, system, rtt): started and warmed up, then asked
     for timed rounds. Its stderr goes to a file, so that it never blocks on a full pipe."""
 
-    def __init__(self, workload, system, rtt, address, warmup, timeout):
+    def __init__(self, workload, system, rtt, address, warmup, timeout, cold_cache=None):
         import tempfile
 
         self.workload, self.system, self.rtt, self.timeout = workload, system, rtt, timeout
         env = dict(os.environ)
         if address:
             env["RGPU_OPSERVER"] = address
+        if cold_cache:
+            env["TORCHINDUCTOR_CACHE_DIR"] = cold_cache
         self.stderr = tempfile.TemporaryFile(mode="w+")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--workload", workload,
-               "--system", system, "--warmup", str(warmup)]
+               "--system", system, "--warmup", str(warmup)] + (["--cold"] if cold_cache else [])
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr, text=True)
         self.error = None
@@ -466,6 +486,44 @@ dist.destroy_process_group()
 """
 
 
+def compile_benchmark():
+    """The time to compile a training step: the server's Inductor compiles against local
+    torch.compile's, each from empty caches (Inductor's and rgpu's), on the same machine one
+    after the other. Local torch.compile compiles the model's forward and backward (the
+    optimizer stays eager); the server compiles the step's graph, optimizer included (graphs
+    that run once, like the first step's, are not compiled). Returns {workload: figures}."""
+    import tempfile
+
+    out = {}
+    for workload in ("gpt", "cnn"):
+        with tempfile.TemporaryDirectory(prefix="rgpu-bench-compile-") as tmp:
+            server = Proc([opserver(), "--device", "cpu", "--port", "0", "--compiler",
+                           "inductor", "--cache-dir", os.path.join(tmp, "server"),
+                           "--kernel-cache", os.path.join(tmp, "server-kernels")],
+                          r"listening on ([\d.]+:\d+)")
+            figures = {}
+            try:
+                for system, address in (("cpu-compile", None), ("rgpu-inductor", server.address)):
+                    print(f"  compile {workload:4} {system}", flush=True)
+                    c = Child(workload, system, 0, address, 3, 1800,
+                              cold_cache=os.path.join(tmp, system))
+                    c.run_round(5)
+                    stats = c.ask("stats")
+                    c.stop()
+                    figures[system] = stats.get("compile_s", c.error)
+                    if system == "rgpu-inductor":
+                        figures["rgpu_compiles"] = stats.get("compiles")
+            finally:
+                server.stop()
+        local, remote = figures["cpu-compile"], figures["rgpu-inductor"]
+        ok = isinstance(local, float) and isinstance(remote, float) and local > 0
+        out[workload] = {"local_compile_s": local, "server_compile_s": remote,
+                         "server_compiles": figures.get("rgpu_compiles"),
+                         "compile_time_ratio": remote / local if ok else None}
+        print(f"  compile {workload:4}: server {remote} s, local {local} s", flush=True)
+    return out
+
+
 def ddp_benchmark(quick):
     """Data-parallel training over torch.distributed: 1 rank against 2 ranks, each rank a client
     process with a server of its own (rgpu-opserver --compiler plan), on the same global batch.
@@ -571,7 +629,8 @@ def table(results):
     ltc = {(r["workload"]): r["step_ms"] for r in results["runs"]
            if r["system"] == "ltc" and "step_ms" in r}
     head = (f"{'workload':8} {'system':14} {'rtt':>4} {'step ms':>8} {'p10-p90':>13} {'/eager':>7} "
-            f"{'/ltc':>6} {'waits':>5} {'thrtl':>5} {'msgs':>5} {'B up':>7} {'compiles':>8}")
+            f"{'/ltc':>6} {'waits':>5} {'thrtl':>5} {'msgs':>5} {'B up':>7} {'idle':>5} "
+            f"{'compiles':>8}")
     lines.append(head)
     lines.append("-" * len(head))
     for r in results["runs"]:
@@ -588,7 +647,8 @@ def table(results):
             f"{fmt(r['step_ms'] / ltc[w] if w in ltc else None, '6.2f')} "
             f"{fmt(r.get('waits_per_step'), '5.1f')} {fmt(r.get('throttled_per_step'), '5.1f')} "
             f"{fmt(r.get('messages_per_step'), '5.1f')} "
-            f"{fmt(r.get('bytes_up_per_step'), '7.0f')} {fmt(r.get('compiles'), '8d')}")
+            f"{fmt(r.get('bytes_up_per_step'), '7.0f')} "
+            f"{fmt(r.get('server_idle_share'), '5.0%')} {fmt(r.get('compiles'), '8d')}")
     link = latency_ratios(results["runs"])
     if link:
         lines.append("")
@@ -631,6 +691,11 @@ def table(results):
                      f"a rank's client per step: {two['bytes_out']:.0f} B out, "
                      f"{two['bytes_in']:.0f} B in, {two['messages']:.1f} messages, "
                      f"{two['waits']:.1f} waits")
+    for w, c in results.get("compile", {}).items():
+        if c.get("compile_time_ratio") is not None:
+            lines.append(f"compile {w}: server {c['server_compile_s']:.1f} s "
+                         f"({c['server_compiles']} graphs) against local torch.compile "
+                         f"{c['local_compile_s']:.1f} s: {c['compile_time_ratio']:.2f}x")
     return "\n".join(lines)
 
 
@@ -701,6 +766,7 @@ def main():
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
@@ -759,6 +825,7 @@ def main():
                                    for k, v in samples.items()}
         results["micro"] = micro_benchmarks(args.build, servers["rgpu-plan"].address, args.quick)
         results["ddp"] = ddp_benchmark(args.quick)
+        results["compile"] = compile_benchmark()
     finally:
         for p in list(relays.values()) + list(servers.values()):
             p.stop()

@@ -40,7 +40,7 @@ namespace {
 constexpr size_t kMaxStates = 8192;
 
 /// Bumped whenever inductor_worker.py changes what it builds from the same graph.
-constexpr const char *kWorkerFormat = "5";
+constexpr const char *kWorkerFormat = "6";
 
 /// A compiled run whose every input and output has at most this many elements runs on one
 /// thread (ATen parallelizes elementwise work from 32,768 elements).
@@ -159,9 +159,10 @@ void sweepTemporaries(const std::string &dir) {
 
 CompiledGraph::CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
                              Specialization spec, std::string record,
-                             const std::shared_ptr<const Plan> &plan)
+                             const std::shared_ptr<const Plan> &plan, at::Device device)
     : loader_(std::move(loader)), spec_(std::move(spec)), record_(std::move(record)),
-      inputs_(plan->graph().inputs.begin(), plan->graph().inputs.end()), verified_(plan) {}
+      inputs_(plan->graph().inputs.begin(), plan->graph().inputs.end()), device_(device),
+      verified_(plan) {}
 
 CompiledGraph::~CompiledGraph() = default;
 
@@ -233,7 +234,8 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
   for (size_t k = 0; k < inputs.size(); ++k) {
     const at::Tensor &t = inputs[k].tensor;
     const ir::TensorMeta &m = *metas[k];
-    if (!t.defined() || t.scalar_type() != bridge::scalarType(inputs_[k].dtype) ||
+    if (!t.defined() || t.device() != device_ ||
+        t.scalar_type() != bridge::scalarType(inputs_[k].dtype) ||
         size_t(t.dim()) != inputs_[k].sizes.size() || t.sizes() != c10::IntArrayRef(m.sizes) ||
         t.strides() != c10::IntArrayRef(m.strides) ||
         (!shapes && (m.sizes != inputs_[k].sizes || m.strides != inputs_[k].strides)))
@@ -335,9 +337,6 @@ Compiler::Compiler(CompilerOptions options, at::Device device)
   std::string key = "torch " + bridge::torchVersion() + "|" + device_.str() + "|" + options_.mode + "|" +
                     kWorkerFormat;
   key_ = hex64(llvm::xxHash64(llvm::StringRef(key)));
-  // Every package checks the dtype, sizes, strides and device of its inputs at each run
-  // (AOTInductor generates the checks and reads this once, at a package's first run).
-  setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 1);
   std::error_code ec;
   fs::create_directories(options_.cacheDir + "/inductor", ec);
   sweepTemporaries(options_.cacheDir + "/inductor");
@@ -443,6 +442,12 @@ std::string Compiler::executorOf(const ir::Hash256 &hash) {
   }
 }
 
+uint64_t Compiler::compileNsOf(const ir::Hash256 &hash) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = graphs_.find(hash);
+  return it == graphs_.end() ? 0 : it->second.compileNs;
+}
+
 void Compiler::work(CompileWorker &worker) {
   for (;;) {
     Job job;
@@ -455,7 +460,11 @@ void Compiler::work(CompileWorker &worker) {
       queue_.pop_front();
     }
     std::string error;
+    const auto start = std::chrono::steady_clock::now();
     std::shared_ptr<const CompiledGraph> compiled = build(job, worker, error);
+    const uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now() - start).count();
+    compileNs += ns;
     std::error_code ec;
     uint64_t bytes = compiled ? fs::file_size(stem(job.plan->hash) + ".pt2", ec) : 0;
     if (ec)
@@ -465,6 +474,7 @@ void Compiler::work(CompileWorker &worker) {
     g.compiled = compiled;
     g.state = compiled ? State::Ready : State::Failed;
     g.bytes = bytes;
+    g.compileNs = ns;
     loadedBytes_ += bytes;
     unloadPastLimit(job.plan->hash);
     --pending;
@@ -576,7 +586,7 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, CompileWork
       auto loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
           package, "model", false, 1, device_.is_cuda() ? device_.index() : -1);
       return std::make_shared<CompiledGraph>(std::move(loader), std::move(spec), record,
-                                             job.plan);
+                                             job.plan, device_);
     } catch (const std::exception &e) {
       const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
       error = std::string("loading its package failed: ") +

@@ -85,7 +85,8 @@ public:
   /// \p record is the canonical bytes (ir::canonicalBytes) of the graph the package was
   /// compiled from, \p plan a plan of that graph.
   CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
-                Specialization spec, std::string record, const std::shared_ptr<const Plan> &plan);
+                Specialization spec, std::string record, const std::shared_ptr<const Plan> &plan,
+                at::Device device);
   ~CompiledGraph();
 
   /// True if \p plan runs the graph this package was compiled from: its canonical bytes are
@@ -120,9 +121,11 @@ private:
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
   Specialization spec_;
   std::string record_;
-  /// The recorded graph's input metas (0 where a symbolic graph has a symbol): every run's
-  /// inputs are checked against them before the package sees a buffer.
+  /// The recorded graph's input metas (0 where a symbolic graph has a symbol) and the device
+  /// the package was compiled for: every run's inputs are checked against them before the
+  /// package sees a buffer (packages are built without checks of their own).
   std::vector<ir::TensorMeta> inputs_;
+  at::Device device_;
   mutable std::mutex verifiedMu_;
   mutable std::weak_ptr<const Plan> verified_; ///< compared by owner, never dereferenced
   /// Scalar tensors of earlier runs, refilled by later ones: making them anew took about a
@@ -149,12 +152,15 @@ public:
   void prefer(const ir::Hash256 &hash, const std::string &executor);
   /// "inductor", "inductor (compiling)", "inductor (failed)" or "plan" for one graph.
   std::string executorOf(const ir::Hash256 &hash);
+  /// How long one graph's compile took, from its start to its package loaded (0: none ended).
+  uint64_t compileNsOf(const ir::Hash256 &hash);
 
   /// Stops: kills running compiles and removes their temporary files. Idempotent.
   void shutdown();
 
   std::atomic<uint64_t> compiles{0}, failures{0}, diskHits{0}, pending{0};
   std::atomic<uint64_t> dropped{0}, evictions{0}, diskEvictions{0};
+  std::atomic<uint64_t> compileNs{0}; ///< The time of every compile that ended, together.
 
 private:
   enum class State { Counting, Queued, Ready, Failed, Skipped };
@@ -165,6 +171,7 @@ private:
     std::shared_ptr<const CompiledGraph> compiled;
     uint64_t bytes = 0;    ///< Of the loaded package.
     uint64_t lastUse = 0;  ///< The lookup tick of its latest run.
+    uint64_t compileNs = 0; ///< How long its compile took (0: none ended).
   };
   struct Job {
     std::shared_ptr<const Plan> plan;

@@ -569,6 +569,7 @@ void Session::stats(wire::ServerStats::Builder out) {
     out.setCompiledEvictions(c->evictions);
     out.setDiskEvictions(c->diskEvictions);
     out.setCompilesDropped(c->dropped);
+    out.setCompileNs(c->compileNs);
   } else {
     out.setCompiler("plan");
   }
@@ -596,6 +597,7 @@ void Session::stats(wire::ServerStats::Builder out) {
     g.setExecuteNs(use.executeNs);
     g.setBuildNs(use.buildNs);
     g.setExecutor(ctx_.compiler() && use.shared ? ctx_.compiler()->executorOf(hash) : "plan");
+    g.setCompileNs(ctx_.compiler() && use.shared ? ctx_.compiler()->compileNsOf(hash) : 0);
     g.setCompiledRuns(use.compiledRuns);
   }
 }

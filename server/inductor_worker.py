@@ -455,6 +455,33 @@ def declare_replaced_symbols():
     cls.codegen_input_symbol_assignment = assign
 
 
+def skip_input_checks():
+    """AOTInductor writes, into every package's C++, a function per input that checks its dtype,
+    sizes, strides and device, run only when AOTI_RUNTIME_CHECK_INPUTS is set: about 40 lines
+    per input, half of a training step's wrapper source and of its build time (13.9 s -> 7.8 s
+    for a small GPT's step of 137 inputs). The server checks every input itself before a
+    compiled run (CompiledGraph::run), so the packages are built without them. A torch without
+    this internal compiles as it would."""
+    try:
+        from torch._inductor.codegen import cpp_wrapper_cpu
+    except ImportError:
+        return
+    cls = cpp_wrapper_cpu.CppWrapperCpu
+    original = getattr(cls, "generate_input_output_runtime_checks", None)
+    if original is None or getattr(original, "skips_checks", False):
+        return
+
+    def no_checks(self):
+        self.prefix.splice_aot("""
+            static constexpr bool _check_aoti_runtime_check_inputs_env() { return false; }
+            AOTI_NOINLINE static void __check_inputs_outputs(
+                AtenTensorHandle* input_handles, AtenTensorHandle* output_handles) {}
+            """)
+
+    no_checks.skips_checks = True
+    cls.generate_input_output_runtime_checks = no_checks
+
+
 def compile_graph(job):
     """Exports and AOT-compiles the job's graph into job["package"] (atomically). Returns the
     number of FX nodes, the (slot, value) pairs compiled as constants, a symbolic graph's
@@ -462,6 +489,7 @@ def compile_graph(job):
     (written_inputs)."""
     values = job["values"]
     declare_replaced_symbols()
+    skip_input_checks()
     # A one-row matmul (a decoding step's linear layers) becomes a multiply and a sum that
     # Inductor fuses with its neighbours, instead of a call into the BLAS.
     options = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}

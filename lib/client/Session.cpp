@@ -170,9 +170,11 @@ CutOutputs Session::State::cut(const char *reason, const std::string &executor) 
     // Small outputs come back with the run's reply, so reading them later costs no wait. (A
     // download arrives dense: its bytes are the elements'.)
     const uint64_t bytes = uint64_t(data->meta.numel()) * ir::dtype::itemSize(data->meta.dtype);
+    // A value asked for (rgpu.on_ready) comes back in any case, and takes its share of the
+    // budget like any other, so that a loop that asks for its loss sends no more than one
+    // that reads it.
     if (!out.impls.empty() && (wanted || (bytes <= kValueBytes && bytes <= valueBudget))) {
-      if (!wanted)
-        valueBudget -= bytes;
+      valueBudget -= std::min(bytes, valueBudget);
       queueValue(data, out.impls.front()->downloadLayout());
     }
   }

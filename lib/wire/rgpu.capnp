@@ -341,6 +341,7 @@ struct GraphStats {
   buildNs @4 :UInt64;    # verifying it and building its plan
   executor @5 :Text;     # "plan", "inductor", "plan (inductor compiling)", ...
   compiledRuns @6 :UInt64;  # of this session's runs, those that ran compiled code
+  compileNs @7 :UInt64;     # how long its compile took, start to package loaded (0: none)
 }
 
 # rgpu.server_stats(): the server's counters. The client turns this struct into a Python dict
@@ -372,6 +373,7 @@ struct ServerStats {
   resumes @21 :UInt64;             # sessions resumed on a new connection
   sessionsExpired @22 :UInt64;     # parked sessions dropped when their grace passed
   session @23 :SessionStats;       # the asking session's own
+  compileNs @24 :UInt64;           # every compile that ended, start to package loaded, summed
 }
 
 struct SessionStats {

@@ -244,7 +244,8 @@ def server_stats() -> dict:
 
     ``compiler`` ("inductor" or "plan"), ``plan_builds``, ``graphs_cached``, ``graph_runs``,
     ``sessions``, ``inductor_compiles`` (finished), ``compiles_pending`` (queued or running),
-    ``compile_failures``, ``disk_cache_hits`` (packages loaded from the server's cache instead of
+    ``compile_failures``, ``compile_ms`` (every compile that ended, from its start to its package
+    loaded, summed), ``disk_cache_hits`` (packages loaded from the server's cache instead of
     compiled), ``compiled_runs``; ``connections`` (open now) and ``connections_refused``;
     ``memory_held`` by all sessions against ``memory_limit`` (bytes, 0 for none),
     ``memory_kept`` (blocks sessions freed and keep for their own reuse, counted in no
@@ -255,11 +256,14 @@ def server_stats() -> dict:
     ``session`` holds ``graph_runs``, ``compiled_runs``, ``writes_in_place`` (compiled code
     writing a tensor's new value into the buffer of its old one, which the program had let go:
     a static KV cache's update), ``runs_cancelled`` (by Ctrl-C or ``rgpu.cancel()``),
-    ``execute_ms``, ``tensors``,
+    ``execute_ms`` (running graphs; on a CPU server the time it was busy for this session, so
+    ``1 - execute_ms / wall time`` is the share of a loop's time the server waited for the
+    client), ``tensors``,
     ``memory`` (bytes held), ``memory_peak``, ``memory_quota`` (0 for none),
     ``allocations_refused``, ``graph_bytes`` held against ``graph_budget``,
     ``graphs_forgotten``, and per graph it holds ``executor``, ``runs``, ``compiled_runs``,
-    ``execute_ms`` and ``build_ms`` (verifying the graph and building its plan). One round trip.
+    ``execute_ms``, ``build_ms`` (verifying the graph and building its plan) and ``compile_ms``
+    (its compile, start to package loaded; 0 if none ended). One round trip.
     """
     return _C.server_stats()
 

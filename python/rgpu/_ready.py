@@ -48,7 +48,17 @@ def on_ready(fn, *tensors) -> None:
 
 
 def flush() -> None:
-    """Runs every ``on_ready`` callback still waiting, waiting for the values it needs."""
+    """Runs every ``on_ready`` callback still waiting, waiting for the values it needs: one
+    round trip however many there are (the replies come in order, so waiting for the last
+    frame's brings every value asked for before it)."""
+    if any(_is_rgpu(t) and not _C.has_value(t) for _, tensors in _waiting for t in tensors):
+        from . import RemoteError
+
+        try:
+            _C.mark_step(wait=True, reason="rgpu.flush")
+        except RemoteError:
+            deliver(wait=True)  # raises for the value the error is about, dropping its callback
+            raise
     deliver(wait=True)
 
 

@@ -162,7 +162,8 @@ TEST(Compiler, APackageRunsOnlyWhereItsRangesAndTiesHold) {
   server::Specialization spec;
   spec.ranges = {{0, 2, 100}, {1, 0, -1}};
   spec.relations = {{1, 0, 1, 1}};
-  server::CompiledGraph compiled(nullptr, spec, ir::canonicalBytes(plan->graph()), plan);
+  server::CompiledGraph compiled(nullptr, spec, ir::canonicalBytes(plan->graph()), plan,
+                                 at::kCPU);
   auto inputs = [](int64_t a, int64_t b) {
     return std::vector<server::Entry>{{at::zeros({a}), nullptr}, {at::zeros({b}), nullptr}};
   };
@@ -188,17 +189,18 @@ TEST(Compiler, APackageRunsOnlyForTheGraphItRecordsAndInputsOfItsMetas) {
   std::string error;
   std::shared_ptr<const server::Plan> plan = build(relu(64), error);
   ASSERT_TRUE(plan) << error;
-  server::CompiledGraph compiled(nullptr, {}, ir::canonicalBytes(plan->graph()), plan);
+  server::CompiledGraph compiled(nullptr, {}, ir::canonicalBytes(plan->graph()), plan, at::kCPU);
   EXPECT_TRUE(compiled.compiledFrom(plan));
   std::shared_ptr<const server::Plan> again = build(relu(64), error);
   EXPECT_TRUE(compiled.compiledFrom(again)); // the same graph, planned again
   std::shared_ptr<const server::Plan> smaller = build(relu(8), error);
   EXPECT_FALSE(compiled.compiledFrom(smaller));
   EXPECT_TRUE(compiled.compiledFrom(plan));
-  // Inputs of other metas never reach the package (its loader is never called here).
+  // Inputs of other metas, or on another device, never reach the package (its loader is
+  // never called here): the package has no checks of its own.
   std::vector<server::Entry> outputs;
   for (at::Tensor wrong : {at::zeros({8}), at::zeros({64}, at::kDouble),
-                           at::zeros({128}).slice(0, 0, 128, 2)}) {
+                           at::zeros({128}).slice(0, 0, 128, 2), at::zeros({64}, at::kMeta)}) {
     try {
       compiled.run(*plan, {{wrong, nullptr}}, {}, outputs);
       ADD_FAILURE() << "ran on " << wrong.sizes() << " " << wrong.strides();
