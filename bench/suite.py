@@ -760,6 +760,8 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps, rounds and relays")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--workloads", help="only these workloads, comma-separated (of "
+                        + ", ".join(WORKLOADS) + "), and none of the other sections")
     parser.add_argument("--build", default=os.path.join(REPO, "build"),
                         help="the CMake build directory with the micro-benchmarks")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -785,6 +787,12 @@ def main():
     }
     relays = {}
     runs = plan_runs(args.quick)
+    only = args.workloads.split(",") if args.workloads else None
+    if only:
+        unknown = set(only) - set(WORKLOADS)
+        if unknown:
+            parser.error("unknown workloads: " + ", ".join(sorted(unknown)))
+        runs = [r for r in runs if r[0] in only]
     for _, system, rtt in runs:
         if rtt and (system, rtt) not in relays:
             relays[(system, rtt)] = Proc(
@@ -806,29 +814,36 @@ def main():
             addresses[(system, rtt)] = relays[(system, rtt)].address if rtt \
                 else servers[system].address
     try:
-        for workload in WORKLOADS:
+        for workload in only or WORKLOADS:
             mine = [(system, rtt) for w, system, rtt in runs if w == workload]
             results["runs"] += measure(workload, mine, addresses, warmup, steps, rounds)
         results["noise"] = noise(results["runs"])
-        # Interleaved rounds, as the steps are measured: a slow spell of the machine falls on
-        # every system alike. Each figure is the median of its rounds; `trace_spread` is
-        # (max - min) / median.
-        samples = {}
-        for _ in range(3 if args.quick else 5):
-            for system in ("rgpu-plan", "ltc", "cpu-eager"):
-                r = run_once("trace", system, servers["rgpu-plan"].address, timeout=300)
-                if "trace_us_per_op" in r:
-                    name = "rgpu" if system == "rgpu-plan" else system
-                    samples.setdefault(name, []).append(r["trace_us_per_op"])
-        results["trace_us_per_op"] = {k: statistics.median(v) for k, v in samples.items()}
-        results["trace_spread"] = {k: (max(v) - min(v)) / statistics.median(v)
-                                   for k, v in samples.items()}
-        results["micro"] = micro_benchmarks(args.build, servers["rgpu-plan"].address, args.quick)
-        results["ddp"] = ddp_benchmark(args.quick)
-        results["compile"] = compile_benchmark()
+        if not only:  # the other sections
+            # Interleaved rounds, as the steps are measured: a slow spell of the machine falls on
+            # every system alike. Each figure is the median of its rounds; `trace_spread` is
+            # (max - min) / median.
+            samples = {}
+            for _ in range(3 if args.quick else 5):
+                for system in ("rgpu-plan", "ltc", "cpu-eager"):
+                    r = run_once("trace", system, servers["rgpu-plan"].address, timeout=300)
+                    if "trace_us_per_op" in r:
+                        name = "rgpu" if system == "rgpu-plan" else system
+                        samples.setdefault(name, []).append(r["trace_us_per_op"])
+            results["trace_us_per_op"] = {k: statistics.median(v) for k, v in samples.items()}
+            results["trace_spread"] = {k: (max(v) - min(v)) / statistics.median(v)
+                                       for k, v in samples.items()}
+            results["micro"] = micro_benchmarks(args.build, servers["rgpu-plan"].address,
+                                                args.quick)
+            results["ddp"] = ddp_benchmark(args.quick)
+            results["compile"] = compile_benchmark()
     finally:
         for p in list(relays.values()) + list(servers.values()):
             p.stop()
+    finish(results, args, started)
+
+
+def finish(results, args, started):
+    """Writes the results and prints their table."""
     results["seconds"] = round(time.time() - started, 1)
     with open(os.path.join(args.out, "latest.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -41,6 +41,8 @@ public:
   /// Whether the trace has grown past the node cap since the last cut: a trace that never
   /// syncs is cut (without waiting) after this many nodes.
   bool pastNodeCap() const { return nodesSinceCut_ >= kNodeCap; }
+  /// Ops traced since the last cut.
+  uint64_t nodesSinceCut() const { return nodesSinceCut_; }
   static constexpr uint64_t kNodeCap = 20000;
   /// A random op was traced: the next cut runs it even if nothing holds its result.
   void noteRandom(llvm::IntrusiveRefCntPtr<TraceNode> node) { random_.push_back(std::move(node)); }

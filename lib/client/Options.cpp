@@ -39,6 +39,8 @@ Options Options::read(Lookup getenv) {
     o.maxInflight = size_t(std::clamp(std::atoi(v), 1, int(kMaxInFlightFrames)));
   if (const char *v = getenv("RGPU_DYNAMIC"))
     o.dynamic = std::string(v) != "0";
+  if (const char *v = nonEmpty(getenv, "RGPU_STREAM_CUT"))
+    o.streamCutNodes = uint64_t(std::max(0LL, std::atoll(v)));
   if (const char *v = nonEmpty(getenv, "RGPU_COMPRESS")) {
     const std::string z = v;
     o.compress = z == "0" || z == "off"  ? Compress::Never

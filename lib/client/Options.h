@@ -42,6 +42,11 @@ struct Options {
   size_t maxInflight = 8;
   /// RGPU_DYNAMIC (0: off): graphs that differ only in sizes run as one symbolic graph.
   bool dynamic = true;
+  /// RGPU_STREAM_CUT: when autograd's backward starts with at least this many ops pending,
+  /// they are cut and sent first, so that the server runs the forward while the backward and
+  /// the optimizer are traced. 0: never.
+  uint64_t streamCutNodes = kStreamCutNodes;
+  static constexpr uint64_t kStreamCutNodes = 64;
   /// RGPU_COMPRESS (0/off, 1/on, else auto): uploads travel compressed by byte plane; auto
   /// does so on a link whose fastest exchange took 2 ms or more.
   enum class Compress { Never, Auto, Always } compress = Compress::Auto;

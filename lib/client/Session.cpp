@@ -268,6 +268,16 @@ void Session::maybeCutAtCap() {
     markStep(false, "node cap");
 }
 
+void Session::cutBeforeBackward() {
+  {
+    Lock lock(*this);
+    const uint64_t at = s_->options.streamCutNodes;
+    if (at == 0 || lost() || s_->cutter.nodesSinceCut() < at)
+      return;
+  }
+  markStep(false, "backward starts");
+}
+
 void Session::send() {
   Lock lock(*this);
   if (!s_->queued.empty() || !s_->releases.empty())

@@ -329,6 +329,36 @@ from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E40
 register_optimizer_step_post_hook(_optimizer_step_boundary)
 
 
+def _patch_backward():
+    # Where a step splits: when autograd's backward starts, the forward traced so far is cut and
+    # sent (RGPU_STREAM_CUT ops or more, no wait), so that the server runs it while the backward
+    # and the optimizer are traced (docs/architecture.md, "Streamed cuts"). Tensor.backward
+    # calls torch.autograd.backward; torch.autograd.grad is the functional form.
+    def rgpu_in(tensors):
+        if isinstance(tensors, torch.Tensor):
+            tensors = (tensors,)
+        return any(isinstance(t, torch.Tensor) and t.device.type == "rgpu" for t in tensors)
+
+    def streamed(original, first):
+        @functools.wraps(original)
+        def run(*args, **kwargs):
+            tensors = args[0] if args else kwargs.get(first, ())
+            if not torch.compiler.is_compiling() and rgpu_in(tensors):
+                _C.cut_before_backward()
+            return original(*args, **kwargs)
+
+        run.rgpu_streamed = True
+        return run
+
+    if not getattr(torch.autograd.backward, "rgpu_streamed", False):
+        torch.autograd.backward = streamed(torch.autograd.backward, "tensors")
+    if not getattr(torch.autograd.grad, "rgpu_streamed", False):
+        torch.autograd.grad = streamed(torch.autograd.grad, "outputs")
+
+
+_patch_backward()
+
+
 def _patch_printing():
     # Printing formats with many small ops (slicing, masked_select, ...). Like XLA and lazy
     # tensors, an rgpu tensor is brought to the CPU once and formatted there.

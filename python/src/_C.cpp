@@ -350,6 +350,8 @@ PYBIND11_MODULE(_C, m) {
     return session.setMaxInflight(n);
   });
   m.def("send", []() { Session::get().send(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("cut_before_backward", []() { Session::get().cutBeforeBackward(); },
+        py::call_guard<py::gil_scoped_release>());
   m.def("cancel", []() { Session::get().cancel(); }, py::call_guard<py::gil_scoped_release>());
   m.def("_check_replays", [](bool on) {
     Session &session = Session::get();

@@ -193,8 +193,11 @@ def check_ddp(outs, steps=20):
             diff = (torch.tensor(p) - q).abs().max().item()
             assert torch.allclose(torch.tensor(p), q, rtol=1e-4, atol=1e-4), (rank, diff)
         steady = out["counts"][6:]
-        assert all(c["waits"] == 1 for c in steady), out["counts"]
-        assert all(c["messages"] <= 2 for c in steady), out["counts"]
+        # At most the wait at .item(), and none when the loss's reply is in by then: the
+        # forward, which computes it, is sent when the backward starts (a second time in the
+        # steps that accumulate a no_sync backward first), and the rest at the optimizer step.
+        assert all(c["waits"] <= 1 for c in steady), out["counts"]
+        assert all(c["messages"] <= 3 for c in steady), out["counts"]
     return outs
 
 

@@ -91,6 +91,10 @@ public:
                 bool send = true);
   /// Cuts if the trace has grown past the node cap (no wait).
   void maybeCutAtCap();
+  /// Autograd's backward is about to start: if RGPU_STREAM_CUT ops are pending, cuts them and
+  /// sends their run (no wait), so that the server runs the forward while the backward and the
+  /// optimizer are traced.
+  void cutBeforeBackward();
   /// Waits until the server has executed everything sent so far.
   void synchronize();
   /// A random op was traced: what touches a generator's state cuts the trace first (only then),
