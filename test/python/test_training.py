@@ -146,6 +146,40 @@ def test_gpt_without_item_never_waits_unless_the_server_falls_behind():
     assert all(s["messages"] == 2 for s in per_step[3:]), per_step
 
 
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_the_forward_is_sent_when_the_backward_starts(how):
+    # The server runs the forward while the client traces the backward: at the start of the
+    # backward the pending forward (over RGPU_STREAM_CUT ops) is cut and sent, without a wait;
+    # the gradients are those of CPU eager.
+    cpu, dev = twins(TinyGPT)
+    idx, tgt = gpt_batch(0)
+    grads = {}
+    for model, device in ((cpu, "cpu"), (dev, R)):
+        loss = model(idx.to(device), tgt.to(device))
+        before = rgpu.stats()
+        if how == "backward":
+            loss.backward()
+            got = [p.grad for p in model.parameters()]
+        else:
+            got = torch.autograd.grad(loss, list(model.parameters()))
+        after = rgpu.stats()
+        grads[device] = got
+        if device == R:
+            assert after["graph_runs"] - before["graph_runs"] == 1, (before, after)
+            assert after["messages"] - before["messages"] == 1, (before, after)
+            assert after["waits"] == before["waits"]
+    for g, want in zip(grads[R], grads["cpu"]):
+        same(g, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_small_forward_is_not_cut_at_the_backward():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)).to(R)
+    loss = model(torch.randn(4, 8).to(R)).sum()
+    before = rgpu.stats()
+    loss.backward()
+    assert rgpu.stats()["graph_runs"] == before["graph_runs"]  # under RGPU_STREAM_CUT ops
+
+
 def test_a_loop_that_never_syncs_is_cut_at_the_node_cap():
     torch.rgpu.synchronize()  # connected, nothing pending
     before = rgpu.stats()
