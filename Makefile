@@ -53,10 +53,12 @@ build: deps venv $(BUILD)/build.ninja
 test-cpp: build
 	cd $(BUILD) && ../$(VENV)/bin/ctest --output-on-failure
 
-# Two test processes: most tests wait on servers and subprocesses (13 min in two; a third
-# process does not help on two cores, where the compiles and transfers then compete).
+# Two test processes: most tests wait on servers and subprocesses (12 min in two; a third
+# process does not help on two cores, where the compiles and transfers then compete). Work
+# stealing: a process that ran out of tests takes the other's, so neither ends alone with a
+# long one.
 test-python: build
-	$(PY) -m pytest -q -n 2 test/python
+	$(PY) -m pytest -q -n 2 --dist worksteal test/python
 
 # rgpu as pip installs it: `pip install .` and `pip wheel .` of a clean clone of this commit,
 # each into a fresh venv with only torch, then a training step from each (test/package).

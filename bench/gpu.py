@@ -1,10 +1,11 @@
 """The GPU benchmark: training steps on a CUDA rgpu-opserver (plan and Inductor) against local
 CUDA eager and local torch.compile, on the same machine, in one run.
 
-    python bench/gpu.py [--json FILE] [--quick] [--workloads cnn,gpt2] [--systems eager,...]
+    python bench/gpu.py [--json FILE] [--quick] [--workloads cnn,gpt2,gpt2-bf16] [--systems eager,...]
 
 Workloads: `gpt2` (GPT-2-small shaped: 12 layers, 768 wide, 12 heads, vocabulary 50257,
-batch 8 x 512, AdamW, .item() every step) and `cnn` (examples/models.py's SmallCNN with
+batch 8 x 512, AdamW, .item() every step), `gpt2-bf16` (the same step under
+`torch.autocast(..., dtype=torch.bfloat16)`, as it is trained in practice) and `cnn` (examples/models.py's SmallCNN with
 BatchNorm, batch 512, SGD with momentum, .item() every step). Per workload and system: the
 median step time, the server's execute time per step (rgpu: the host time its worker spent
 queueing the step's kernels, not GPU time), the client's CPU time per step (of the thread that
@@ -35,7 +36,7 @@ def workload(name, device, quick):
     from models import SmallCNN, TinyGPT
 
     torch.manual_seed(0)
-    if name == "gpt2":
+    if name in ("gpt2", "gpt2-bf16"):
         batch, context, vocab = (2, 256, 50257) if quick else (8, 512, 50257)
         model = TinyGPT(vocab=vocab, dim=768, heads=12, layers=12, context=context).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
@@ -104,17 +105,21 @@ def child(name, system, quick):
     device = "rgpu" if remote else "cuda"
     model, opt, inputs, loss_of = workload(name, device, quick)
     run_model = torch.compile(model) if system == "compile" else model
-    warmup, steps = (3, 5) if quick else ((5, 20) if name == "gpt2" else (10, 50))
+    warmup, steps = (3, 5) if quick else ((5, 20) if name.startswith("gpt2") else (10, 50))
+
+    mixed = name.endswith("-bf16")
 
     def step(i):
         x, y = inputs(i)
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(run_model, x, y)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=mixed):
+            loss = loss_of(run_model, x, y)
         loss.backward()
         opt.step()
         return loss.item()
 
     t0 = time.time()
+    compile0 = rgpu.server_stats()["compile_ms"] if remote else 0
     for i in range(warmup):
         step(i)
     if system == "rgpu-inductor":  # the compiled code, not the plan it runs while compiling
@@ -139,6 +144,7 @@ def child(name, system, quick):
         out["server_execute_ms"] = (server1["execute_ms"] - server0["execute_ms"]) / steps
         out["compiled_runs"] = server1["compiled_runs"] - server0["compiled_runs"]
         out["graph_runs"] = server1["graph_runs"] - server0["graph_runs"]
+        out["server_compile_s"] = (rgpu.server_stats()["compile_ms"] - compile0) / 1e3
     print(json.dumps(out))
 
 
@@ -160,7 +166,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--quick", action="store_true", help="smaller batches, fewer steps")
-    ap.add_argument("--workloads", default="cnn,gpt2")
+    ap.add_argument("--workloads", default="cnn,gpt2,gpt2-bf16")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -202,16 +208,19 @@ def table(results):
 
     lines = [f"{results['device']}, torch {results['torch']}",
              f"{'workload/system':24} {'step ms':>9} {'vs eager':>9} {'vs compile':>10} "
-             f"{'server ms':>9} {'client ms':>9} {'GPU busy':>8}"]  # client: the loop's thread
+             f"{'server ms':>9} {'client ms':>9} {'GPU busy':>8} {'compile s':>9}"]
     for key, r in results["runs"].items():
         name = key.split("/")[0]
         eager = results["runs"].get(f"{name}/eager", {}).get("step_ms")
         comp = results["runs"].get(f"{name}/compile", {}).get("step_ms")
         s = r.get("step_ms")
+        # The server's compiles; local torch.compile's are in its warm-up steps.
+        compile_s = r.get("server_compile_s", r.get("warmup_s") if key.endswith("/compile")
+                          else None)
         lines.append(f"{key:24} {fmt(s, '9.2f')} {fmt(s / eager if s and eager else None, '9.2f')} "
                      f"{fmt(s / comp if s and comp else None, '10.2f')} "
                      f"{fmt(r.get('server_execute_ms'), '9.2f')} {fmt(r.get('client_thread_ms'), '9.2f')} "
-                     f"{fmt(r.get('gpu_busy'), '8.0%')}")
+                     f"{fmt(r.get('gpu_busy'), '8.0%')} {fmt(compile_s, '9.1f')}")
     return "\n".join(lines)
 
 
