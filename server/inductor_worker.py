@@ -422,6 +422,22 @@ def export(graph, device, values, specialized, writes):
     raise Unsupported(f"more than {MAX_EXPORTS} exports to find the constant scalars")
 
 
+def patch_wrapper(name, make):
+    """Replaces AOTInductor's C++ wrapper generator method `name` with `make(original)`, once.
+    A torch without it compiles as it would."""
+    try:
+        from torch._inductor.codegen import cpp_wrapper_cpu
+    except ImportError:
+        return
+    cls = cpp_wrapper_cpu.CppWrapperCpu
+    original = getattr(cls, name, None)
+    if original is None or getattr(original, "rgpu_patched", False):
+        return
+    replacement = make(original)
+    replacement.rgpu_patched = True
+    setattr(cls, name, replacement)
+
+
 def declare_replaced_symbols():
     """AOTInductor declares, in the package's C++, a size symbol that shape solving replaced by
     another symbol (the deferred runtime asserts still name it), but not one replaced by an
@@ -430,29 +446,25 @@ def declare_replaced_symbols():
     symbol of their expression is. A torch without these internals compiles as it would."""
     try:
         import sympy
-        from torch._inductor.codegen import cpp_wrapper_cpu
         from torch._inductor.codegen.cpp_utils import cexpr
         from torch._inductor.virtualized import V
         from torch.utils._sympy.symbol import SymT, symbol_is_type
     except ImportError:
         return
 
-    cls = cpp_wrapper_cpu.CppWrapperCpu
-    original = getattr(cls, "codegen_input_symbol_assignment", None)
-    if original is None or getattr(original, "declares_replaced", False):
-        return
+    def make(original):
+        def assign(self, name, value, bound_vars):
+            original(self, name, value, bound_vars)
+            for src, expr in V.graph.sizevars.shape_env.replacements.items():
+                if (isinstance(src, sympy.Symbol) and src not in bound_vars
+                        and not symbol_is_type(src, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))
+                        and expr.free_symbols
+                        and all(s in bound_vars for s in expr.free_symbols)):
+                    self.prefix.writeline(f"int64_t {src} = {cexpr(expr)};")
+                    bound_vars.add(src)
+        return assign
 
-    def assign(self, name, value, bound_vars):
-        original(self, name, value, bound_vars)
-        for src, expr in V.graph.sizevars.shape_env.replacements.items():
-            if (isinstance(src, sympy.Symbol) and src not in bound_vars
-                    and not symbol_is_type(src, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))
-                    and expr.free_symbols and all(s in bound_vars for s in expr.free_symbols)):
-                self.prefix.writeline(f"int64_t {src} = {cexpr(expr)};")
-                bound_vars.add(src)
-
-    assign.declares_replaced = True
-    cls.codegen_input_symbol_assignment = assign
+    patch_wrapper("codegen_input_symbol_assignment", make)
 
 
 def skip_input_checks():
@@ -460,17 +472,7 @@ def skip_input_checks():
     sizes, strides and device, run only when AOTI_RUNTIME_CHECK_INPUTS is set: about 40 lines
     per input, half of a training step's wrapper source and of its build time (13.9 s -> 7.8 s
     for a small GPT's step of 137 inputs). The server checks every input itself before a
-    compiled run (CompiledGraph::run), so the packages are built without them. A torch without
-    this internal compiles as it would."""
-    try:
-        from torch._inductor.codegen import cpp_wrapper_cpu
-    except ImportError:
-        return
-    cls = cpp_wrapper_cpu.CppWrapperCpu
-    original = getattr(cls, "generate_input_output_runtime_checks", None)
-    if original is None or getattr(original, "skips_checks", False):
-        return
-
+    compiled run (CompiledGraph::run), so the packages are built without them."""
     def no_checks(self):
         self.prefix.splice_aot("""
             static constexpr bool _check_aoti_runtime_check_inputs_env() { return false; }
@@ -478,8 +480,7 @@ def skip_input_checks():
                 AtenTensorHandle* input_handles, AtenTensorHandle* output_handles) {}
             """)
 
-    no_checks.skips_checks = True
-    cls.generate_input_output_runtime_checks = no_checks
+    patch_wrapper("generate_input_output_runtime_checks", lambda original: no_checks)
 
 
 def compile_graph(job):
