@@ -429,23 +429,20 @@ void Compiler::prefer(const ir::Hash256 &hash, const std::string &executor) {
     g.after = 1;
 }
 
-std::string Compiler::executorOf(const ir::Hash256 &hash) {
+Compiler::Report Compiler::report(const ir::Hash256 &hash) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = graphs_.find(hash);
   if (it == graphs_.end())
-    return "plan";
+    return {};
+  Report r;
+  r.compileNs = it->second.compileNs;
   switch (it->second.state) {
-  case State::Ready: return "inductor";
-  case State::Queued: return "plan (inductor compiling)";
-  case State::Failed: return "plan (inductor failed)";
-  default: return "plan";
+  case State::Ready: r.executor = "inductor"; break;
+  case State::Queued: r.executor = "plan (inductor compiling)"; break;
+  case State::Failed: r.executor = "plan (inductor failed)"; break;
+  default: break;
   }
-}
-
-uint64_t Compiler::compileNsOf(const ir::Hash256 &hash) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = graphs_.find(hash);
-  return it == graphs_.end() ? 0 : it->second.compileNs;
+  return r;
 }
 
 void Compiler::work(CompileWorker &worker) {

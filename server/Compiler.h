@@ -150,10 +150,14 @@ public:
   /// Follows a client's executor hint for a graph before its first run: "inductor" compiles it
   /// on its first run, "plan" never.
   void prefer(const ir::Hash256 &hash, const std::string &executor);
-  /// "inductor", "inductor (compiling)", "inductor (failed)" or "plan" for one graph.
-  std::string executorOf(const ir::Hash256 &hash);
-  /// How long one graph's compile took, from its start to its package loaded (0: none ended).
-  uint64_t compileNsOf(const ir::Hash256 &hash);
+  /// What one graph runs on, and its compile, for the statistics.
+  struct Report {
+    /// "inductor", "plan (inductor compiling)", "plan (inductor failed)" or "plan".
+    std::string executor = "plan";
+    /// How long its compile took, from its start to its package loaded (0: none ended).
+    uint64_t compileNs = 0;
+  };
+  Report report(const ir::Hash256 &hash);
 
   /// Stops: kills running compiles and removes their temporary files. Idempotent.
   void shutdown();

@@ -596,8 +596,10 @@ void Session::stats(wire::ServerStats::Builder out) {
     g.setRuns(use.runs);
     g.setExecuteNs(use.executeNs);
     g.setBuildNs(use.buildNs);
-    g.setExecutor(ctx_.compiler() && use.shared ? ctx_.compiler()->executorOf(hash) : "plan");
-    g.setCompileNs(ctx_.compiler() && use.shared ? ctx_.compiler()->compileNsOf(hash) : 0);
+    const Compiler::Report r =
+        ctx_.compiler() && use.shared ? ctx_.compiler()->report(hash) : Compiler::Report{};
+    g.setExecutor(r.executor);
+    g.setCompileNs(r.compileNs);
     g.setCompiledRuns(use.compiledRuns);
   }
 }
