@@ -1,4 +1,5 @@
 #include "Compiler.h"
+#include "CudaGraph.h"
 #include "Log.h"
 #include "Memory.h"
 
@@ -47,6 +48,9 @@ constexpr const char *kWorkerFormat = "6";
 constexpr int64_t kOneThreadElements = 65536;
 /// Scalar argument sets a compiled graph keeps for its next runs: runs in flight at once.
 constexpr size_t kScalarSetsKept = 8;
+/// CUDA graphs one compiled graph captures at most (one at a time; another capture replaces
+/// the last when its scalars changed): past it, scalars that keep changing run the package.
+constexpr unsigned kMaxCaptures = 4;
 
 /// Runs the calling thread's OpenMP regions and MKL calls on one thread while it lives, and
 /// restores its team size after. Both settings are the calling thread's own, so the pool's
@@ -159,10 +163,74 @@ void sweepTemporaries(const std::string &dir) {
 
 CompiledGraph::CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
                              Specialization spec, std::string record,
-                             const std::shared_ptr<const Plan> &plan, at::Device device)
+                             const std::shared_ptr<const Plan> &plan, at::Device device,
+                             bool cudaGraphs, std::shared_ptr<std::atomic<uint64_t>[]> counters)
     : loader_(std::move(loader)), spec_(std::move(spec)), record_(std::move(record)),
       inputs_(plan->graph().inputs.begin(), plan->graph().inputs.end()), device_(device),
-      verified_(plan) {}
+      verified_(plan), cudaGraphs_(cudaGraphs), counters_(std::move(counters)) {
+  for (auto [o, i] : spec_.writes)
+    written_.push_back(i);
+  if (cudaGraphs_) {
+    whyNot_ = CudaGraph::unavailable(device_);
+    if (whyNot_.empty() && plan->symbolic())
+      whyNot_ = "its sizes are symbolic";
+  }
+}
+
+std::vector<at::Tensor> CompiledGraph::runPackage(std::vector<at::Tensor> &args,
+                                                  llvm::ArrayRef<ir::ScalarValue> scalars,
+                                                  bool symbolic) const {
+  if (!cudaGraphs_ || symbolic)
+    return loader_->run(args);
+  std::unique_lock<std::mutex> lock(graphMu_, std::try_to_lock);
+  if (!lock.owns_lock() || !whyNot_.empty()) // another thread replays it: the package runs
+    return loader_->run(args);
+  const bool same = warm_ && llvm::ArrayRef<ir::ScalarValue>(lastScalars_) == scalars;
+  if (graph_ && llvm::ArrayRef<ir::ScalarValue>(graphScalars_) == scalars) {
+    ++replays_;
+    if (counters_)
+      ++counters_[0];
+    return graph_->replay(args, written_);
+  }
+  // Captured at the second run in a row with these scalars: the first ran the package, which
+  // loads its kernels and sets up its state (nothing a capture may do).
+  if (!same || captures_ >= kMaxCaptures) {
+    lastScalars_.assign(scalars.begin(), scalars.end());
+    warm_ = true;
+    return loader_->run(args);
+  }
+  graph_.reset();
+  try {
+    graph_ = std::make_unique<CudaGraph>(
+        device_, args, [this](std::vector<at::Tensor> &a) { return loader_->run(a); });
+  } catch (const std::exception &e) {
+    const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
+    whyNot_ = std::string("its capture failed: ") + (ce ? ce->what_without_backtrace() : e.what());
+    log("a compiled graph runs without a CUDA graph: " + whyNot_);
+    return loader_->run(args);
+  }
+  ++captures_;
+  if (counters_)
+    ++counters_[1];
+  graphScalars_.assign(scalars.begin(), scalars.end());
+  ++replays_;
+  if (counters_)
+    ++counters_[0];
+  return graph_->replay(args, written_);
+}
+
+std::string CompiledGraph::cudaGraphStatus() const {
+  if (!cudaGraphs_)
+    return "";
+  std::lock_guard<std::mutex> lock(graphMu_);
+  if (!whyNot_.empty())
+    return "not used: " + whyNot_;
+  if (graph_)
+    return "replayed";
+  if (captures_ >= kMaxCaptures)
+    return "not used: its scalars changed after " + std::to_string(kMaxCaptures) + " captures";
+  return "not captured yet (at the second run in a row with the same scalars)";
+}
 
 CompiledGraph::~CompiledGraph() = default;
 
@@ -281,7 +349,7 @@ void CompiledGraph::run(const Plan &plan, const std::vector<Entry> &inputs,
                    AT_EXPAND(AT_ALL_TYPES_AND_COMPLEX), at::kBool, at::kHalf, at::kBFloat16);
     args.push_back(t);
   }
-  std::vector<at::Tensor> results = loader_->run(args);
+  std::vector<at::Tensor> results = runPackage(args, scalars, shapes != nullptr);
   giveScalars(std::move(scalarArgs));
   for (auto [o, i] : spec_.writes) // in output order (written_inputs)
     results.insert(results.begin() + std::min<size_t>(o, results.size()), args[i]);
@@ -334,9 +402,6 @@ void CompiledGraph::giveScalars(std::vector<at::Tensor> tensors) const {
 
 Compiler::Compiler(CompilerOptions options, at::Device device)
     : options_(std::move(options)), device_(device) {
-  std::string key = "torch " + bridge::torchVersion() + "|" + device_.str() + "|" + options_.mode + "|" +
-                    kWorkerFormat;
-  key_ = hex64(llvm::xxHash64(llvm::StringRef(key)));
   std::error_code ec;
   fs::create_directories(options_.cacheDir + "/inductor", ec);
   sweepTemporaries(options_.cacheDir + "/inductor");
@@ -367,9 +432,25 @@ void Compiler::shutdown() {
   sweepTemporaries(options_.cacheDir + "/inductor");
 }
 
-std::string Compiler::stem(const ir::Hash256 &hash) const {
-  return options_.cacheDir + "/inductor/" + hash.hex() + "-" + key_;
+std::string Compiler::stem(const ir::Hash256 &hash, llvm::StringRef mode) const {
+  // Everything else that shapes the package: how a CUDA graph replays it is not in it.
+  std::string key = "torch " + bridge::torchVersion() + "|" + device_.str() + "|" +
+                    (compile_mode::autotunes(mode) ? "autotune" : "") + "|" + kWorkerFormat;
+  return options_.cacheDir + "/inductor/" + hash.hex() + "-" +
+         hex64(llvm::xxHash64(llvm::StringRef(key)));
 }
+
+namespace compile_mode {
+bool known(llvm::StringRef mode) {
+  return mode == "default" || mode == "" || mode == "reduce-overhead" || autotunes(mode);
+}
+bool autotunes(llvm::StringRef mode) {
+  return mode == "max-autotune" || mode == "max-autotune-no-cudagraphs";
+}
+bool cudaGraphs(llvm::StringRef mode) {
+  return mode == "reduce-overhead" || mode == "max-autotune";
+}
+} // namespace compile_mode
 
 std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<const Plan> &plan,
                                                       llvm::ArrayRef<ir::ScalarValue> scalars,
@@ -401,14 +482,15 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
     // A graph compiled before (by this server or an earlier one) is loaded on its first run.
     ++g.runs;
     if (stopping_ || (g.runs < (g.after ? g.after : options_.after) &&
-                      !(g.runs == 1 && fs::exists(stem(plan->hash) + ".pt2"))))
+                      !(g.runs == 1 && fs::exists(stem(plan->hash, modeOf(g)) + ".pt2"))))
       return nullptr;
     if (queue_.size() >= options_.queueLimit) {
       ++dropped; // tried again at its next run
       return nullptr;
     }
     g.state = State::Queued;
-    queue_.push_back({plan, std::vector<ir::ScalarValue>(scalars.begin(), scalars.end()),
+    queue_.push_back({plan, modeOf(g),
+                      std::vector<ir::ScalarValue>(scalars.begin(), scalars.end()),
                       std::vector<int64_t>(symbols.begin(), symbols.end())});
     ++pending;
     queued = true;
@@ -429,6 +511,13 @@ void Compiler::prefer(const ir::Hash256 &hash, const std::string &executor) {
     g.after = 1;
 }
 
+void Compiler::preferMode(const ir::Hash256 &hash, const std::string &mode) {
+  std::lock_guard<std::mutex> lock(mu_);
+  GraphState &g = graphs_[hash];
+  if (g.state == State::Counting)
+    g.mode = mode == "default" ? "" : mode;
+}
+
 Compiler::Report Compiler::report(const ir::Hash256 &hash) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = graphs_.find(hash);
@@ -436,6 +525,10 @@ Compiler::Report Compiler::report(const ir::Hash256 &hash) {
     return {};
   Report r;
   r.compileNs = it->second.compileNs;
+  if (it->second.compiled) {
+    r.cudaGraph = it->second.compiled->cudaGraphStatus();
+    r.cudaGraphReplays = it->second.compiled->cudaGraphReplays();
+  }
   switch (it->second.state) {
   case State::Ready: r.executor = "inductor"; break;
   case State::Queued: r.executor = "plan (inductor compiling)"; break;
@@ -463,7 +556,7 @@ void Compiler::work(CompileWorker &worker) {
                             std::chrono::steady_clock::now() - start).count();
     compileNs += ns;
     std::error_code ec;
-    uint64_t bytes = compiled ? fs::file_size(stem(job.plan->hash) + ".pt2", ec) : 0;
+    uint64_t bytes = compiled ? fs::file_size(stem(job.plan->hash, job.mode) + ".pt2", ec) : 0;
     if (ec)
       bytes = 0;
     std::lock_guard<std::mutex> lock(mu_);
@@ -553,7 +646,7 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, CompileWork
                                                      std::string &error) {
   const ir::Hash256 &hash = job.plan->hash;
   std::string name = "graph " + hash.hex().substr(0, 12);
-  std::string base = stem(hash), package = base + ".pt2", failed = base + ".failed";
+  std::string base = stem(hash, job.mode), package = base + ".pt2", failed = base + ".failed";
   size_t nodes = job.plan->graph().nodes.size();
   // What the package must record (`.pt2.graph`), and what it is recorded as once compiled.
   const std::string record = ir::canonicalBytes(job.plan->graph());
@@ -583,7 +676,9 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, CompileWork
       auto loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
           package, "model", false, 1, device_.is_cuda() ? device_.index() : -1);
       return std::make_shared<CompiledGraph>(std::move(loader), std::move(spec), record,
-                                             job.plan, device_);
+                                             job.plan, device_,
+                                             compile_mode::cudaGraphs(job.mode),
+                                             cudaGraphCounters);
     } catch (const std::exception &e) {
       const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
       error = std::string("loading its package failed: ") +
@@ -637,7 +732,7 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, CompileWork
     for (size_t i = 0; i < job.symbols.size(); ++i)
       symbols.set(i, job.symbols[i]);
     j.setDevice(device_.str());
-    j.setMode(options_.mode);
+    j.setMode(job.mode);
     j.setPackage(package);
     j.setResult(resultPath);
     if (llvm::Error e = wire::writeMessageFile(jobPath, b)) {

@@ -40,12 +40,23 @@ class AOTIModelPackageLoader;
 
 namespace rgpu::server {
 
+class CudaGraph;
+
+/// torch.compile's modes, as the server compiles and runs a graph in them ("" is "default").
+namespace compile_mode {
+bool known(llvm::StringRef mode);
+/// max-autotune and max-autotune-no-cudagraphs: Inductor autotunes its kernels.
+bool autotunes(llvm::StringRef mode);
+/// reduce-overhead and max-autotune: compiled runs are replayed as CUDA graphs (CudaGraph.h).
+bool cudaGraphs(llvm::StringRef mode);
+} // namespace compile_mode
+
 struct CompilerOptions {
   std::string cacheDir;       ///< Where packages persist.
   std::string kernelCacheDir; ///< Inductor's cache (the worker's TORCHINDUCTOR_CACHE_DIR).
   std::string python;   ///< An interpreter that can import torch.
   std::string worker;   ///< inductor_worker.py, shipped next to rgpu-opserver.
-  std::string mode;     ///< "" (default), "max-autotune" or "reduce-overhead".
+  std::string mode;     ///< A graph's compile mode unless its Define names one (compile_mode).
   unsigned after = 2;   ///< Compile a graph once it has run this many times.
   unsigned jobs = 1;    ///< Compiles running at once.
   /// Limits of each compile process: CPU seconds, address space (CPU devices only: CUDA
@@ -84,9 +95,12 @@ class CompiledGraph {
 public:
   /// \p record is the canonical bytes (ir::canonicalBytes) of the graph the package was
   /// compiled from, \p plan a plan of that graph.
+  /// With \p cudaGraphs, runs are replayed as CUDA graphs where they can be; \p replays and
+  /// \p captures count them (the compiler's counters, which outlive it).
   CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
                 Specialization spec, std::string record, const std::shared_ptr<const Plan> &plan,
-                at::Device device);
+                at::Device device, bool cudaGraphs = false,
+                std::shared_ptr<std::atomic<uint64_t>[]> counters = nullptr);
   ~CompiledGraph();
 
   /// True if \p plan runs the graph this package was compiled from: its canonical bytes are
@@ -111,8 +125,21 @@ public:
            llvm::ArrayRef<ir::ScalarValue> scalars, std::vector<Entry> &outputs,
            const Shapes *shapes = nullptr, uint64_t *inPlace = nullptr) const;
   const std::vector<std::pair<uint32_t, uint32_t>> &writes() const { return spec_.writes; }
+  /// In a CUDA-graph mode: "replayed" once captured, else why its runs are not; else "".
+  std::string cudaGraphStatus() const;
+  /// Of every session's runs, those replayed as a CUDA graph.
+  uint64_t cudaGraphReplays() const { return replays_; }
 
 private:
+  /// Runs the package on \p args, or replays its CUDA graph: captured, in a CUDA-graph mode,
+  /// at the second run in a row with the same \p scalars (those a capture holds as constants),
+  /// and replayed for runs with them; runs with other scalars run the package, and after
+  /// kMaxCaptures captures the graph stays as it is. A run while another thread replays runs
+  /// the package.
+  std::vector<at::Tensor> runPackage(std::vector<at::Tensor> &args,
+                                     llvm::ArrayRef<ir::ScalarValue> scalars,
+                                     bool symbolic) const;
+
   /// 0-dim CPU tensors for a run's scalars, the form the worker exported them in, with the
   /// graph's scalar dtypes.
   std::vector<at::Tensor> takeScalars(const ir::Graph &g) const;
@@ -132,6 +159,18 @@ private:
   /// tenth of a decoding step's run. One set per run in flight.
   mutable std::mutex scalarsMu_;
   mutable std::vector<std::vector<at::Tensor>> scalarSets_;
+
+  /// CUDA graphs (CudaGraph.h). graphMu_ guards the rest; replays_ is read without it.
+  bool cudaGraphs_;
+  std::shared_ptr<std::atomic<uint64_t>[]> counters_; ///< [0] replays, [1] captures
+  std::vector<uint32_t> written_;                     ///< Inputs the package writes.
+  mutable std::mutex graphMu_;
+  mutable std::unique_ptr<CudaGraph> graph_;
+  mutable std::vector<ir::ScalarValue> graphScalars_, lastScalars_;
+  mutable bool warm_ = false; ///< The last run had lastScalars_.
+  mutable unsigned captures_ = 0;
+  mutable std::string whyNot_; ///< Why runs are not captured (empty: they may be).
+  mutable std::atomic<uint64_t> replays_{0};
 };
 
 class Compiler {
@@ -150,12 +189,17 @@ public:
   /// Follows a client's executor hint for a graph before its first run: "inductor" compiles it
   /// on its first run, "plan" never.
   void prefer(const ir::Hash256 &hash, const std::string &executor);
+  /// Compiles and runs the graph in \p mode (compile_mode), not the server's --compile-mode.
+  void preferMode(const ir::Hash256 &hash, const std::string &mode);
   /// What one graph runs on, and its compile, for the statistics.
   struct Report {
     /// "inductor", "plan (inductor compiling)", "plan (inductor failed)" or "plan".
     std::string executor = "plan";
     /// How long its compile took, from its start to its package loaded (0: none ended).
     uint64_t compileNs = 0;
+    /// CompiledGraph::cudaGraphStatus and cudaGraphReplays, of a loaded package.
+    std::string cudaGraph;
+    uint64_t cudaGraphReplays = 0;
   };
   Report report(const ir::Hash256 &hash);
 
@@ -165,6 +209,8 @@ public:
   std::atomic<uint64_t> compiles{0}, failures{0}, diskHits{0}, pending{0};
   std::atomic<uint64_t> dropped{0}, evictions{0}, diskEvictions{0};
   std::atomic<uint64_t> compileNs{0}; ///< The time of every compile that ended, together.
+  /// Compiled runs replayed as CUDA graphs ([0]) and captures ([1]), of every graph.
+  std::shared_ptr<std::atomic<uint64_t>[]> cudaGraphCounters{new std::atomic<uint64_t>[2]{}};
 
 private:
   enum class State { Counting, Queued, Ready, Failed, Skipped };
@@ -176,9 +222,11 @@ private:
     uint64_t bytes = 0;    ///< Of the loaded package.
     uint64_t lastUse = 0;  ///< The lookup tick of its latest run.
     uint64_t compileNs = 0; ///< How long its compile took (0: none ended).
+    std::string mode;       ///< Its compile mode, if not the server's.
   };
   struct Job {
     std::shared_ptr<const Plan> plan;
+    std::string mode;
     std::vector<ir::ScalarValue> scalars;
     std::vector<int64_t> symbols;
   };
@@ -188,7 +236,12 @@ private:
   /// Loads the package for \p job from the cache, compiling it in \p worker first if needed.
   std::shared_ptr<const CompiledGraph> build(const Job &job, CompileWorker &worker,
                                              std::string &error);
-  std::string stem(const ir::Hash256 &hash) const;
+  /// Where the package of \p hash compiled in \p mode lives, less its extension.
+  std::string stem(const ir::Hash256 &hash, llvm::StringRef mode) const;
+  /// A graph's compile mode.
+  const std::string &modeOf(const GraphState &g) const {
+    return g.mode.empty() ? options_.mode : g.mode;
+  }
   /// Unloads the least recently run packages until those loaded fit memoryBytes. Under mu_.
   void unloadPastLimit(const ir::Hash256 &keep);
   /// Forgets the states of graphs not run for long, so the table stays bounded. Under mu_.
@@ -198,7 +251,6 @@ private:
 
   CompilerOptions options_;
   at::Device device_;
-  std::string key_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> queue_;

@@ -117,11 +117,13 @@ const Flag kFlags[] = {
    "compiles running at once, each a separate process (default 1)",
    [](Options &o, llvm::StringRef v) { return count(v, o.compile.jobs, 1); }},
   {kRun, "--compile-mode", "MODE",
-   "default | max-autotune | reduce-overhead (compiled like default; CUDA graphs are not used "
-   "yet)",
+   "torch.compile's modes: default | reduce-overhead (compiled runs on a CUDA device "
+   "replayed as CUDA graphs) | max-autotune (autotuned, and CUDA graphs) | "
+   "max-autotune-no-cudagraphs; a graph from torch.compile(mode=...) keeps its own",
    [](Options &o, llvm::StringRef v) {
-     if (v != "default" && v != "max-autotune" && v != "reduce-overhead")
-       return failure("takes default, max-autotune or reduce-overhead, not '" + v + "'");
+     if (!compile_mode::known(v))
+       return failure("takes default, reduce-overhead, max-autotune or "
+                      "max-autotune-no-cudagraphs, not '" + v + "'");
      return text(v == "default" ? "" : v, o.compile.mode);
    }},
   {kRun, "--compile-timeout", "S",

@@ -570,6 +570,8 @@ void Session::stats(wire::ServerStats::Builder out) {
     out.setDiskEvictions(c->diskEvictions);
     out.setCompilesDropped(c->dropped);
     out.setCompileNs(c->compileNs);
+    out.setCudaGraphReplays(c->cudaGraphCounters[0]);
+    out.setCudaGraphCaptures(c->cudaGraphCounters[1]);
   } else {
     out.setCompiler("plan");
   }
@@ -600,6 +602,8 @@ void Session::stats(wire::ServerStats::Builder out) {
         ctx_.compiler() && use.shared ? ctx_.compiler()->report(hash) : Compiler::Report{};
     g.setExecutor(r.executor);
     g.setCompileNs(r.compileNs);
+    g.setCudaGraph(r.cudaGraph);
+    g.setCudaGraphReplays(r.cudaGraphReplays);
     g.setCompiledRuns(use.compiledRuns);
   }
 }

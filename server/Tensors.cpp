@@ -52,6 +52,14 @@ void Session::handleDefine(wire::Define::Reader r) {
     const bool preferred = executor == Executor::INDUCTOR || executor == Executor::PLAN;
     if (ctx_.compiler() && plan->shared && preferred)
       ctx_.compiler()->prefer(hash, executor == Executor::INDUCTOR ? "inductor" : "plan");
+    using Mode = wire::Define::CompileMode;
+    const Mode mode = r.getMode();
+    if (ctx_.compiler() && plan->shared && mode != Mode::SERVER_DECIDES)
+      ctx_.compiler()->preferMode(hash, mode == Mode::REDUCE_OVERHEAD ? "reduce-overhead"
+                                        : mode == Mode::MAX_AUTOTUNE ? "max-autotune"
+                                        : mode == Mode::MAX_AUTOTUNE_NO_CUDAGRAPHS
+                                            ? "max-autotune-no-cudagraphs"
+                                            : "default");
     return;
   }
   std::string error = message(planned.takeError());

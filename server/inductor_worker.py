@@ -494,8 +494,8 @@ def compile_graph(job):
     # A one-row matmul (a decoding step's linear layers) becomes a multiply and a sum that
     # Inductor fuses with its neighbours, instead of a call into the BLAS.
     options = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
-    if job["mode"] == "max-autotune":
-        options["max_autotune"] = True
+    if job["mode"] in ("max-autotune", "max-autotune-no-cudagraphs"):  # as torch.compile's
+        options.update(max_autotune=True, coordinate_descent_tuning=True)
     out_path = job["package"]
     tmp = f"{out_path}.tmp{os.getpid()}.pt2"  # AOTInductor wants the suffix
     specialized = constant_slots(job)

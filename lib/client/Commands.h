@@ -28,7 +28,9 @@ namespace command {
 struct Define {
   ir::Hash256 hash;
   std::shared_ptr<const ir::Graph> graph;
-  std::string executor; ///< A hint: "inductor" compiles at once, "plan" never; empty: neither.
+  /// A hint: "inductor" compiles at once ("inductor:MODE" in a torch.compile mode), "plan"
+  /// never; empty: neither.
+  std::string executor;
 };
 
 /// Runs a graph the server holds. Its outputs get handles firstOutput, firstOutput + 1, ...

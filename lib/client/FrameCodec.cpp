@@ -2,6 +2,9 @@
 
 #include <capnp/message.h>
 #include <capnp/serialize.h>
+#include <llvm/ADT/StringRef.h>
+
+#include <tuple>
 
 namespace rgpu::client {
 
@@ -31,9 +34,18 @@ void FrameEncoder::put(const command::Define &c, wire::Command::Builder b) {
   auto d = b.initDefine();
   wire::encodeHash(c.hash, d.initHash());
   wire::encodeGraph(*c.graph, d.initGraph());
-  d.setExecutor(c.executor == "inductor" ? wire::Define::Executor::INDUCTOR
-                : c.executor == "plan"   ? wire::Define::Executor::PLAN
-                                         : wire::Define::Executor::SERVER_DECIDES);
+  // "inductor" or "inductor:MODE" (a torch.compile mode), "plan", or empty.
+  llvm::StringRef executor = c.executor, mode;
+  std::tie(executor, mode) = executor.split(':');
+  d.setExecutor(executor == "inductor" ? wire::Define::Executor::INDUCTOR
+                : executor == "plan"   ? wire::Define::Executor::PLAN
+                                       : wire::Define::Executor::SERVER_DECIDES);
+  using Mode = wire::Define::CompileMode;
+  d.setMode(mode == "default"                      ? Mode::STANDARD
+            : mode == "reduce-overhead"            ? Mode::REDUCE_OVERHEAD
+            : mode == "max-autotune"               ? Mode::MAX_AUTOTUNE
+            : mode == "max-autotune-no-cudagraphs" ? Mode::MAX_AUTOTUNE_NO_CUDAGRAPHS
+                                                   : Mode::SERVER_DECIDES);
 }
 
 void FrameEncoder::put(const command::Run &c, wire::Command::Builder b) {

@@ -113,11 +113,20 @@ struct Define {
   hash @0 :Hash;
   graph @1 :Graph;
   executor @2 :Executor;
+  mode @3 :CompileMode;   # how Inductor compiles and runs it (torch.compile's modes)
 
   enum Executor {
     serverDecides @0;
     inductor @1;          # compile now
     plan @2;              # never compile
+  }
+
+  enum CompileMode {
+    serverDecides @0;     # the server's --compile-mode
+    standard @1;          # torch.compile's "default"
+    reduceOverhead @2;    # replayed as a CUDA graph on a CUDA server
+    maxAutotune @3;       # autotuned, and replayed as a CUDA graph
+    maxAutotuneNoCudagraphs @4;
   }
 }
 
@@ -342,6 +351,8 @@ struct GraphStats {
   executor @5 :Text;     # "plan", "inductor", "plan (inductor compiling)", ...
   compiledRuns @6 :UInt64;  # of this session's runs, those that ran compiled code
   compileNs @7 :UInt64;     # how long its compile took, start to package loaded (0: none)
+  cudaGraph @8 :Text;       # in a CUDA-graph mode: "replayed", or why not; else ""
+  cudaGraphReplays @9 :UInt64;  # by every session
 }
 
 # rgpu.server_stats(): the server's counters. The client turns this struct into a Python dict
@@ -374,6 +385,8 @@ struct ServerStats {
   sessionsExpired @22 :UInt64;     # parked sessions dropped when their grace passed
   session @23 :SessionStats;       # the asking session's own
   compileNs @24 :UInt64;           # every compile that ended, start to package loaded, summed
+  cudaGraphReplays @25 :UInt64;    # compiled runs replayed as CUDA graphs
+  cudaGraphCaptures @26 :UInt64;
 }
 
 struct SessionStats {
@@ -423,7 +436,7 @@ struct CompileJob {
   runOps @2 :List(Text);         # per node, the op to run: a *_copy's view, as the plan runs it
   scalars @3 :List(ScalarValue); # the values of the run that asked for the compile
   device @4 :Text;               # "cpu", "cuda:0"
-  mode @5 :Text;                 # "" or "max-autotune"
+  mode @5 :Text;                 # "" or a torch.compile mode ("max-autotune", ...)
   package @6 :Text;              # where the worker renames the finished package to
   result @7 :Text;               # where the worker writes its CompileResult
   zeroFill @8 :List(UInt32);     # nodes of the empty family: their outputs are zero-filled

@@ -14,7 +14,6 @@ import contextvars
 import functools
 import logging
 import os
-import warnings
 
 import torch
 
@@ -262,8 +261,11 @@ def server_stats() -> dict:
     ``memory`` (bytes held), ``memory_peak``, ``memory_quota`` (0 for none),
     ``allocations_refused``, ``graph_bytes`` held against ``graph_budget``,
     ``graphs_forgotten``, and per graph it holds ``executor``, ``runs``, ``compiled_runs``,
-    ``execute_ms``, ``build_ms`` (verifying the graph and building its plan) and ``compile_ms``
-    (its compile, start to package loaded; 0 if none ended). One round trip.
+    ``execute_ms``, ``build_ms`` (verifying the graph and building its plan), ``compile_ms``
+    (its compile, start to package loaded; 0 if none ended) and, compiled in a CUDA-graph mode
+    (reduce-overhead, max-autotune), ``cuda_graph`` ("replayed", or why not) and
+    ``cuda_graph_replays``; ``cuda_graph_replays`` and ``cuda_graph_captures`` count them for
+    the whole server. One round trip.
     """
     return _C.server_stats()
 
@@ -431,13 +433,9 @@ def _compile_rgpu_tensors_on_the_server():
                 "torch.compile(backend=\"inductor\") compiles for this machine and cannot run "
                 "rgpu tensors; leave backend out (or write backend=\"rgpu\"): rgpu compiles the "
                 "graph with Inductor on rgpu-opserver")
-        mode = getattr(self, "_rgpu_mode", None)
-        if mode not in (None, "default"):
-            warnings.warn(f"torch.compile(mode={mode!r}) on rgpu tensors: the mode is ignored; "
-                          "rgpu-opserver compiles with its own --compile-mode", stacklevel=2)
         from .backend import compile_backend
 
-        return compile_backend()(model_, inputs_)
+        return compile_backend(mode=getattr(self, "_rgpu_mode", None))(model_, inputs_)
 
     wrapper.__init__ = __init__
     wrapper.__call__ = __call__

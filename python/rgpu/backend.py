@@ -114,24 +114,33 @@ def _region(gm, stage, executor):
     return make_boxed_func(run)
 
 
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def compile_backend(mode=None, compiler="inductor"):
     """A torch.compile backend for rgpu tensors.
 
     ``compiler="inductor"`` asks the server to compile each graph with Inductor at its first
     run (it runs on the plan executor until the compile is done); ``"plan"`` keeps it on the
-    plan executor. ``mode`` is accepted for torch.compile's modes; the server's compile mode is
-    its own ``--compile-mode``.
+    plan executor. ``mode`` is one of torch.compile's modes, which the server compiles these
+    graphs in instead of its ``--compile-mode``: ``"reduce-overhead"`` (and ``"max-autotune"``)
+    replay a compiled graph as a CUDA graph on a CUDA server; None leaves it to the server.
     """
     if compiler not in ("inductor", "plan"):
         raise ValueError(f"compiler must be 'inductor' or 'plan', not {compiler!r}")
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode is not None and compiler == "plan":
+        raise ValueError("compiler='plan' never compiles: a mode means nothing to it")
+    executor = compiler if mode is None else f"inductor:{mode}"
     from torch._dynamo.backends.common import aot_autograd
 
     def backend(gm, example_inputs):
         check_ops(gm, "captured")
         return aot_autograd(
-            fw_compiler=lambda g, _: _region(g, "forward", compiler),
-            bw_compiler=lambda g, _: _region(g, "backward", compiler),
-            inference_compiler=lambda g, _: _region(g, "inference", compiler),
+            fw_compiler=lambda g, _: _region(g, "forward", executor),
+            bw_compiler=lambda g, _: _region(g, "backward", executor),
+            inference_compiler=lambda g, _: _region(g, "inference", executor),
         )(gm, example_inputs)
 
     return backend

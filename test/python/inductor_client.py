@@ -1,6 +1,6 @@
 """A client for test_inductor.py, run in its own process against a server given by RGPU_OPSERVER.
 
-    python inductor_client.py lazy-gpt|compiled-mlp
+    python inductor_client.py lazy-gpt|compiled-mlp [MODE]
 
 Trains on rgpu and on CPU, checks that they match (rtol 1e-4), waits on the way for the
 server's compiles to finish so that later steps run compiled code, and prints one JSON line:
@@ -62,10 +62,11 @@ def lazy_gpt(steps=8, wait_after=5):
     return pending
 
 
-def compiled_mlp(steps=6, wait_after=1):
+def compiled_mlp(mode=None, steps=6, wait_after=1):
+    """torch.compile(backend="rgpu", mode=mode)."""
     torch.manual_seed(0)
     cpu = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
-    dev = torch.compile(copy.deepcopy(cpu).to("rgpu"), backend="rgpu", dynamic=False)
+    dev = torch.compile(copy.deepcopy(cpu).to("rgpu"), backend="rgpu", dynamic=False, mode=mode)
     pending = []
     for step in range(steps):
         x = torch.randn(8, 16)
@@ -85,7 +86,7 @@ def compiled_mlp(steps=6, wait_after=1):
 
 
 def main():
-    pending = {"lazy-gpt": lazy_gpt, "compiled-mlp": compiled_mlp}[sys.argv[1]]()
+    pending = {"lazy-gpt": lazy_gpt, "compiled-mlp": compiled_mlp}[sys.argv[1]](*sys.argv[2:])
     stats = rgpu.server_stats()
     print(json.dumps({"pending": pending, "stats": stats}))
 

@@ -260,9 +260,9 @@ def test_plain_torch_compile_of_functions_and_decorators_runs_on_the_server():
     x = torch.randn(5)
     torch.testing.assert_close(f(x.to("rgpu")).cpu(), x.sin() + 1)
     torch.testing.assert_close(g(x.to("rgpu")).cpu(), (x * 2).cos())
+    # A mode goes with the graph to the server (test_inductor.py), which compiles in it.
     h = torch.compile(lambda x: x.exp(), mode="max-autotune")
-    with pytest.warns(UserWarning, match="mode is ignored"):
-        torch.testing.assert_close(h(x.to("rgpu")).cpu(), x.exp())
+    torch.testing.assert_close(h(x.to("rgpu")).cpu(), x.exp())
 
 
 def test_backend_inductor_written_out_on_rgpu_tensors_says_what_to_write():
@@ -281,3 +281,7 @@ def test_compile_backend_options():
     torch.testing.assert_close(compiled(x.to("rgpu")).cpu(), cpu(x), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="compiler"):
         rgpu.compile_backend(compiler="tvm")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        rgpu.compile_backend(mode="fastest")
+    with pytest.raises(ValueError, match="never compiles"):
+        rgpu.compile_backend(mode="reduce-overhead", compiler="plan")

@@ -26,7 +26,9 @@ def last_json(server, code, timeout=900):
 
 
 def run(server, workload):
-    code = f"import runpy, sys; sys.argv = [{CLIENT!r}, {workload!r}]; runpy.run_path({CLIENT!r}, run_name='__main__')"
+    """Runs inductor_client.py's `workload` ("NAME [ARG...]") against `server`."""
+    argv = [CLIENT, *workload.split()]
+    code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({CLIENT!r}, run_name='__main__')"
     return last_json(server, code)
 
 
@@ -59,7 +61,10 @@ def run_on_new_server(cache_dir, workload, *args):
 
 
 def test_lazy_training_switches_to_inductor_without_waiting_and_matches_cpu(cache_dir):
-    out, log = run_on_new_server(cache_dir, "lazy-gpt", "--compile-after", "3")
+    # reduce-overhead compiles the same packages (the restarted default-mode server below loads
+    # them) and, on a CPU server, runs them without CUDA graphs, saying why.
+    out, log = run_on_new_server(cache_dir, "lazy-gpt", "--compile-after", "3",
+                                 "--compile-mode", "reduce-overhead")
     assert "compiling with inductor in the background" in log
     assert "inductor compiled in" in log
     # The step that queued the compile came back while it was still running: no step waits.
@@ -69,6 +74,8 @@ def test_lazy_training_switches_to_inductor_without_waiting_and_matches_cpu(cach
     assert stats["inductor_compiles"] >= 1 and stats["compile_failures"] == 0, stats
     assert stats["session"]["compiled_runs"] >= 2, stats
     assert any(g["executor"] == "inductor" for g in stats["session"]["graphs"]), stats
+    assert {g["cuda_graph"] for g in stats["session"]["graphs"] if g["executor"] == "inductor"} \
+        == {"not used: CUDA graphs need a CUDA device"}, stats
 
 
 def test_a_restarted_server_loads_what_it_compiled_before(cache_dir):
@@ -85,12 +92,20 @@ def test_a_restarted_server_loads_what_it_compiled_before(cache_dir):
     assert "loaded from the cache" in log
 
 
-def test_torch_compile_graphs_are_compiled_on_the_server(tmp_path):
-    out, _ = run_on_new_server(str(tmp_path), "compiled-mlp")
+def test_torch_compile_graphs_are_compiled_on_the_server_in_their_mode(tmp_path):
+    # mode="reduce-overhead" reaches the server with each graph: on a CUDA server their compiled
+    # runs replay as CUDA graphs; on this CPU server they run as packages, and say why.
+    out, _ = run_on_new_server(str(tmp_path), "compiled-mlp reduce-overhead")
     stats = out["stats"]
     # The forward and backward graphs compile at their first run; later steps run them compiled.
     assert stats["inductor_compiles"] >= 2 and stats["compile_failures"] == 0, stats
     assert stats["session"]["compiled_runs"] >= 2 * 4, stats
+    # The forward and backward; the eager ops around them (the loss) compile in the server's
+    # mode, the default.
+    said = [g["cuda_graph"] for g in stats["session"]["graphs"] if g["executor"] == "inductor"]
+    assert said.count("not used: CUDA graphs need a CUDA device") == 2, stats["session"]
+    assert set(said) == {"", "not used: CUDA graphs need a CUDA device"}, said
+    assert stats["cuda_graph_replays"] == 0 and stats["cuda_graph_captures"] == 0, stats
 
 
 def test_shutdown_during_a_compile_leaves_no_partial_artifact(tmp_path):
