@@ -1,5 +1,6 @@
-"""The GPU benchmark: training steps on a CUDA rgpu-opserver (plan and Inductor) against local
-CUDA eager and local torch.compile, on the same machine, in one run.
+"""The GPU benchmark: training steps on a CUDA rgpu-opserver (plan, Inductor, and Inductor with
+--compile-mode reduce-overhead: CUDA graphs) against local CUDA eager and local torch.compile
+(default and mode="reduce-overhead"), on the same machine, in one run.
 
     python bench/gpu.py [--json FILE] [--quick] [--workloads cnn,gpt2,gpt2-bf16] [--systems eager,...]
 
@@ -27,7 +28,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "examples"))
-SYSTEMS = ("eager", "rgpu-plan", "compile", "rgpu-inductor")
+SYSTEMS = ("eager", "rgpu-plan", "compile", "rgpu-inductor", "compile-reduce-overhead",
+           "rgpu-reduce-overhead")
 
 
 def workload(name, device, quick):
@@ -104,7 +106,9 @@ def child(name, system, quick):
         import rgpu
     device = "rgpu" if remote else "cuda"
     model, opt, inputs, loss_of = workload(name, device, quick)
-    run_model = torch.compile(model) if system == "compile" else model
+    run_model = (torch.compile(model) if system == "compile" else
+                 torch.compile(model, mode="reduce-overhead")
+                 if system == "compile-reduce-overhead" else model)
     warmup, steps = (3, 5) if quick else ((5, 20) if name.startswith("gpt2") else (10, 50))
 
     mixed = name.endswith("-bf16")
@@ -122,7 +126,7 @@ def child(name, system, quick):
     compile0 = rgpu.server_stats()["compile_ms"] if remote else 0
     for i in range(warmup):
         step(i)
-    if system == "rgpu-inductor":  # the compiled code, not the plan it runs while compiling
+    if system in ("rgpu-inductor", "rgpu-reduce-overhead"):  # compiled code, not the plan
         deadline = time.time() + 900
         while rgpu.server_stats()["compiles_pending"] and time.time() < deadline:
             step(0)
@@ -145,14 +149,19 @@ def child(name, system, quick):
         out["compiled_runs"] = server1["compiled_runs"] - server0["compiled_runs"]
         out["graph_runs"] = server1["graph_runs"] - server0["graph_runs"]
         out["server_compile_s"] = (rgpu.server_stats()["compile_ms"] - compile0) / 1e3
+        out["cuda_graph_replays"] = rgpu.server_stats()["cuda_graph_replays"]
     print(json.dumps(out))
 
 
-def opserver(compiler, tmp):
-    sock = os.path.join(tmp, f"{compiler}.sock")
+def opserver(system, tmp):
+    """A CUDA server for rgpu-plan, rgpu-inductor or rgpu-reduce-overhead."""
+    kind = system.split("-", 1)[1]
+    sock = os.path.join(tmp, f"{kind}.sock")
     binary = os.path.join(REPO, "python", "rgpu", "bin", "rgpu-opserver")
     env = dict(os.environ, RGPU_PYTHON=sys.executable)
-    proc = subprocess.Popen([binary, "--device", "cuda", "--compiler", compiler, "--socket", sock,
+    how = (["--compiler", "plan"] if kind == "plan" else ["--compiler", "inductor"] +
+           (["--compile-mode", "reduce-overhead"] if kind == "reduce-overhead" else []))
+    proc = subprocess.Popen([binary, "--device", "cuda", *how, "--socket", sock,
                              "--compile-jobs", "4", "--cache-dir", os.path.join(tmp, "cache")],
                             stderr=subprocess.PIPE, text=True, env=env)
     for line in proc.stderr:
@@ -182,7 +191,7 @@ def main():
         for system in args.systems.split(","):
             env, server = dict(os.environ), None
             if system.startswith("rgpu"):
-                server, env["RGPU_OPSERVER"] = opserver(system.split("-")[1], tmp)
+                server, env["RGPU_OPSERVER"] = opserver(system, tmp)
             cmd = [sys.executable, os.path.abspath(__file__), "--child", name, system]
             r = subprocess.run(cmd + (["--quick"] if args.quick else []), env=env,
                                capture_output=True, text=True, timeout=1500)

@@ -154,6 +154,55 @@ print(json.dumps({{"losses": losses, "stats": rgpu.server_stats()}}))
                                rtol=1e-4, atol=1e-5)
 
 
+def test_reduce_overhead_replays_cuda_graphs_and_trains_like_local_cuda(tmp_path):
+    # torch.compile(mode="reduce-overhead") regions (the forward writes BatchNorm's running
+    # statistics, inputs of the graph) and, by the server's --compile-mode, the eager loss and
+    # optimizer graphs (SGD's constant lr: the same scalars every step) replay as CUDA graphs.
+    code = """
+import json, sys, time, torch, rgpu
+import torch.nn.functional as F
+sys.path.insert(0, {examples!r})
+from models import SmallCNN
+def train(device):
+    torch.manual_seed(0)
+    model = SmallCNN().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    run = torch.compile(model, backend="rgpu", mode="reduce-overhead") if device == "rgpu" else model
+    losses = []
+    for step in range(12):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(32, 1, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
+        opt.zero_grad()
+        loss = F.cross_entropy(run(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if device == "rgpu" and step == 2:
+            deadline = time.time() + 600
+            while rgpu.server_stats()["compiles_pending"] and time.time() < deadline:
+                time.sleep(0.5)
+    return losses, [t.detach().cpu() for t in (*model.parameters(), *model.buffers())]
+local, local_state = train("cuda")
+remote, remote_state = train("rgpu")
+diff = max(float((a.double() - b.double()).abs().max()) for a, b in zip(local_state, remote_state))
+print(json.dumps({{"local": local, "remote": remote, "diff": diff, "stats": rgpu.server_stats()}}))
+""".format(examples=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+    s = Server("--device", "cuda", "--compiler", "inductor", "--compile-mode", "reduce-overhead",
+               "--cache-dir", str(tmp_path / "cache"))
+    try:
+        r = run_client(s.address, code, timeout=900)
+        assert r.returncode == 0, r.stdout + r.stderr + "".join(s.log)
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        s.stop()
+    torch.testing.assert_close(out["remote"], out["local"], rtol=1e-4, atol=1e-5)
+    assert out["diff"] < 1e-3, out["diff"]
+    stats = out["stats"]
+    said = [g["cuda_graph"] for g in stats["session"]["graphs"] if g["executor"] == "inductor"]
+    assert said.count("replayed") >= 2 and stats["cuda_graph_replays"] >= 8, stats
+    assert not any("failed" in w for w in said), said
+
+
 def test_a_device_side_assert_ends_the_server_cleanly_for_a_restart():
     s = Server("--device", "cuda")
     try:
