@@ -11,13 +11,15 @@ compile overlapped anyway is counted. step_ms is the median of all timed steps (
 `noise` in the JSON is the spread of cpu-eager's round medians, the machine's own. Each rgpu
 run has `server_idle_share`: the share of its timed steps' time in which the server ran none of
 its graphs (waiting for the client to trace, or for the link). `compile` compares the time to
-compile the gpt and cnn steps, the server's Inductor against local torch.compile, each from
-empty caches (`compile_time_ratio`). Results: OUT/latest.json, OUT/latest.png, and a table on
+compile the gpt and cnn steps from empty caches: torch.compile's forward and backward graphs on
+the server against local torch.compile's (`compile_time_ratio`), and the eager rgpu step's
+graphs, optimizer included, against the same (`step_compile_ratio`). Results: OUT/latest.json, OUT/latest.png, and a table on
 stdout. Compare ratios within one run.
 
 Systems:
   cpu-eager       local eager PyTorch on CPU
   cpu-compile     local torch.compile (Inductor) on CPU, compile time excluded
+  rgpu-compile    torch.compile on rgpu tensors (in the compile figures only)
   ltc             torch._lazy with its TorchScript backend on CPU, mark_step() each step
   rgpu-plan       rgpu against rgpu-opserver --compiler plan
   rgpu-inductor   rgpu against rgpu-opserver --compiler inductor, after its compiles finished
@@ -61,7 +63,9 @@ def make_workload(name, device, system):
     from models import SmallCNN, TinyGPT, gpt_batch, gpt_optimizer
 
     torch.manual_seed(0)
-    wrap = (lambda m: torch.compile(m)) if system == "cpu-compile" else (lambda m: m)
+    # Plain torch.compile: on rgpu tensors (rgpu-compile) it compiles on the server.
+    wrap = (lambda m: torch.compile(m)) if system in ("cpu-compile", "rgpu-compile") \
+        else (lambda m: m)
     if system == "ltc":
         import torch._lazy
 
@@ -234,7 +238,7 @@ def child(args):
         step(i)
         warm_times.append(time.perf_counter() - start)
     warm_wait = 0.0
-    if system == "rgpu-inductor":
+    if system in ("rgpu-inductor", "rgpu-compile"):
         for _ in range(5):  # until warm-up steps queue no more compiles
             warm_wait += settle()
             for i in range(2):
@@ -487,40 +491,50 @@ dist.destroy_process_group()
 
 
 def compile_benchmark():
-    """The time to compile a training step: the server's Inductor compiles against local
-    torch.compile's, each from empty caches (Inductor's and rgpu's), on the same machine one
-    after the other. Local torch.compile compiles the model's forward and backward (the
-    optimizer stays eager); the server compiles the step's graph, optimizer included (graphs
-    that run once, like the first step's, are not compiled). Returns {workload: figures}."""
+    """The time to compile a training step, each system from empty caches (Inductor's and
+    rgpu's), on the same machine one after the other. The same graphs: local torch.compile
+    (cpu-compile) against torch.compile on rgpu tensors (rgpu-compile), whose forward and
+    backward the server compiles (it compiles nothing else: --compile-after is out of reach);
+    both leave the optimizer eager. And the eager rgpu step: the server compiling the step's
+    graphs, optimizer included (rgpu-inductor; graphs that run once are not compiled), against
+    the same local figure. Returns {workload: figures}."""
     import tempfile
 
     out = {}
     for workload in ("gpt", "cnn"):
+        figures = {}
         with tempfile.TemporaryDirectory(prefix="rgpu-bench-compile-") as tmp:
-            server = Proc([opserver(), "--device", "cpu", "--port", "0", "--compiler",
-                           "inductor", "--cache-dir", os.path.join(tmp, "server"),
-                           "--kernel-cache", os.path.join(tmp, "server-kernels")],
-                          r"listening on ([\d.]+:\d+)")
-            figures = {}
-            try:
-                for system, address in (("cpu-compile", None), ("rgpu-inductor", server.address)):
+            for system, server_args in (("cpu-compile", None),
+                                        ("rgpu-compile", ["--compile-after", "1000000"]),
+                                        ("rgpu-inductor", [])):
+                server = None if server_args is None else Proc(
+                    [opserver(), "--device", "cpu", "--port", "0", "--compiler", "inductor",
+                     "--cache-dir", os.path.join(tmp, system, "server"),
+                     "--kernel-cache", os.path.join(tmp, system, "kernels"), *server_args],
+                    r"listening on ([\d.]+:\d+)")
+                try:
                     print(f"  compile {workload:4} {system}", flush=True)
-                    c = Child(workload, system, 0, address, 3, 1800,
-                              cold_cache=os.path.join(tmp, system))
+                    c = Child(workload, system, 0, server and server.address, 3, 1800,
+                              cold_cache=os.path.join(tmp, system, "client"))
                     c.run_round(5)
                     stats = c.ask("stats")
                     c.stop()
-                    figures[system] = stats.get("compile_s", c.error)
-                    if system == "rgpu-inductor":
-                        figures["rgpu_compiles"] = stats.get("compiles")
-            finally:
-                server.stop()
-        local, remote = figures["cpu-compile"], figures["rgpu-inductor"]
-        ok = isinstance(local, float) and isinstance(remote, float) and local > 0
-        out[workload] = {"local_compile_s": local, "server_compile_s": remote,
-                         "server_compiles": figures.get("rgpu_compiles"),
-                         "compile_time_ratio": remote / local if ok else None}
-        print(f"  compile {workload:4}: server {remote} s, local {local} s", flush=True)
+                    figures[system] = (stats.get("compile_s", c.error), stats.get("compiles"))
+                finally:
+                    if server:
+                        server.stop()
+        (local, _), (same, same_n), (step, step_n) = (
+            figures["cpu-compile"], figures["rgpu-compile"], figures["rgpu-inductor"])
+
+        def ratio(remote):
+            ok = isinstance(local, float) and isinstance(remote, float) and local > 0
+            return remote / local if ok else None
+        out[workload] = {"local_compile_s": local, "server_compile_s": same,
+                         "server_compiles": same_n, "compile_time_ratio": ratio(same),
+                         "step_compile_s": step, "step_compiles": step_n,
+                         "step_compile_ratio": ratio(step)}
+        print(f"  compile {workload:4}: local {local} s; the same graphs on the server {same} s; "
+              f"the eager step's on the server {step} s", flush=True)
     return out
 
 
@@ -693,9 +707,13 @@ def table(results):
                      f"{two['waits']:.1f} waits")
     for w, c in results.get("compile", {}).items():
         if c.get("compile_time_ratio") is not None:
-            lines.append(f"compile {w}: server {c['server_compile_s']:.1f} s "
+            lines.append(f"compile {w}: the same graphs, server {c['server_compile_s']:.1f} s "
                          f"({c['server_compiles']} graphs) against local torch.compile "
                          f"{c['local_compile_s']:.1f} s: {c['compile_time_ratio']:.2f}x")
+        if c.get("step_compile_ratio") is not None:
+            lines.append(f"compile {w}: the eager rgpu step, server {c['step_compile_s']:.1f} s "
+                         f"({c['step_compiles']} graphs, optimizer included): "
+                         f"{c['step_compile_ratio']:.2f}x")
     return "\n".join(lines)
 
 

@@ -55,6 +55,13 @@ public:
   /// or -1 (the child was killed by a signal or a limit, or the worker died or was stopped).
   int run(const std::string &jobPath, const std::string &logPath, std::chrono::seconds timeout);
 
+  /// Starts the worker now, so that the first job finds it warm (it imports torch and Inductor
+  /// and prepares what every compile needs); run() starts it otherwise. From run()'s thread.
+  void prestart() {
+    if (pid_ < 0 && !stopped_)
+      start();
+  }
+
   /// Kills the running job and the worker, from any thread; run() returns -1 soon after, and
   /// every later run() at once.
   void stop();

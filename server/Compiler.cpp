@@ -508,7 +508,7 @@ void Compiler::prefer(const ir::Hash256 &hash, const std::string &executor) {
   if (executor == "plan")
     g.state = State::Skipped;
   else if (executor == "inductor")
-    g.after = 1;
+    g.after = std::min(2u, options_.after);
 }
 
 void Compiler::preferMode(const ir::Hash256 &hash, const std::string &mode) {
@@ -539,6 +539,7 @@ Compiler::Report Compiler::report(const ir::Hash256 &hash) {
 }
 
 void Compiler::work(CompileWorker &worker) {
+  worker.prestart(); // a server that compiles has its worker warm before its first graph
   for (;;) {
     Job job;
     {

@@ -187,7 +187,10 @@ public:
                                               llvm::ArrayRef<int64_t> symbols,
                                               const std::vector<Entry> &inputs, bool &queued);
   /// Follows a client's executor hint for a graph before its first run: "inductor" compiles it
-  /// on its first run, "plan" never.
+  /// at its second run (or first, with --compile-after 1) whatever --compile-after says, "plan"
+  /// never. Not the first: the first step of a torch.compile region often traces a graph that
+  /// later steps do not (their parameters are the optimizer's outputs), which would be compiled
+  /// for one run.
   void prefer(const ir::Hash256 &hash, const std::string &executor);
   /// Compiles and runs the graph in \p mode (compile_mode), not the server's --compile-mode.
   void preferMode(const ir::Hash256 &hash, const std::string &mode);

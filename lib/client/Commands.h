@@ -28,7 +28,7 @@ namespace command {
 struct Define {
   ir::Hash256 hash;
   std::shared_ptr<const ir::Graph> graph;
-  /// A hint: "inductor" compiles at once ("inductor:MODE" in a torch.compile mode), "plan"
+  /// A hint: "inductor" compiles at the second run ("inductor:MODE" in a torch.compile mode), "plan"
   /// never; empty: neither.
   std::string executor;
 };

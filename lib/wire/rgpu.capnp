@@ -117,7 +117,7 @@ struct Define {
 
   enum Executor {
     serverDecides @0;
-    inductor @1;          # compile now
+    inductor @1;          # compile at the second run (a torch.compile region)
     plan @2;              # never compile
   }
 

@@ -3,8 +3,8 @@
 Dynamo captures the Python program; aot_autograd splits it into a forward and a backward graph
 of aten ops. Each of those runs on rgpu tensors as one region: the region's ops are traced like
 any other rgpu ops and cut into exactly one rgpu graph at its end, which travels, is cached and
-is compiled on the server like a lazy graph (the server compiles it with Inductor at its first
-run). With ``dynamic=True`` (or sizes dynamo has seen change), the sizes dynamo traced as
+is compiled on the server like a lazy graph (the server compiles it with Inductor at its second
+run: the first step of a training loop can trace another graph, once). With ``dynamic=True`` (or sizes dynamo has seen change), the sizes dynamo traced as
 symbols are declared dynamic (rgpu.mark_dynamic), so a region ships one symbolic graph, not one
 per shape. Whatever the user traced before the region (an optimizer step, say)
 is cut into its own graph first, so a region's graph is the same every step.
@@ -120,7 +120,7 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 def compile_backend(mode=None, compiler="inductor"):
     """A torch.compile backend for rgpu tensors.
 
-    ``compiler="inductor"`` asks the server to compile each graph with Inductor at its first
+    ``compiler="inductor"`` asks the server to compile each graph with Inductor at its second
     run (it runs on the plan executor until the compile is done); ``"plan"`` keeps it on the
     plan executor. ``mode`` is one of torch.compile's modes, which the server compiles these
     graphs in instead of its ``--compile-mode``: ``"reduce-overhead"`` (and ``"max-autotune"``)

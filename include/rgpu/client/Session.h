@@ -85,7 +85,7 @@ public:
   /// Cuts every live pending tensor into one graph and queues its run. With \p wait, blocks
   /// until the server has executed it (and raises any pending error). \p reason is logged.
   /// \p executor, if not empty, is sent with the Define of a graph the server has not seen:
-  /// "inductor" asks it to compile the graph right away ("inductor:reduce-overhead" and the
+  /// "inductor" asks it to compile the graph at its second run ("inductor:reduce-overhead" and the
   /// like, in that torch.compile mode), "plan" never to compile it. Without
   /// \p send (and \p wait), the run stays queued until the next message goes out.
   void markStep(bool wait, const char *reason = "mark_step", const std::string &executor = "",
