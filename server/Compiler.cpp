@@ -174,16 +174,21 @@ CompiledGraph::CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLo
     whyNot_ = CudaGraph::unavailable(device_);
     if (whyNot_.empty() && plan->symbolic())
       whyNot_ = "its sizes are symbolic";
+    status_ = whyNot_.empty() ? "not captured yet (at the second run in a row with the same "
+                                "scalars)"
+                              : "not used: " + whyNot_;
   }
 }
 
 std::vector<at::Tensor> CompiledGraph::runPackage(std::vector<at::Tensor> &args,
                                                   llvm::ArrayRef<ir::ScalarValue> scalars,
                                                   bool symbolic) const {
-  if (!cudaGraphs_ || symbolic)
+  if (!cudaGraphs_)
     return loader_->run(args);
-  std::unique_lock<std::mutex> lock(graphMu_, std::try_to_lock);
-  if (!lock.owns_lock() || !whyNot_.empty()) // another thread replays it: the package runs
+  // Loaded single-threaded (no events between runs, which a capture may not query): one run
+  // at a time.
+  std::lock_guard<std::mutex> lock(graphMu_);
+  if (symbolic || !whyNot_.empty())
     return loader_->run(args);
   const bool same = warm_ && llvm::ArrayRef<ir::ScalarValue>(lastScalars_) == scalars;
   if (graph_ && llvm::ArrayRef<ir::ScalarValue>(graphScalars_) == scalars) {
@@ -207,9 +212,13 @@ std::vector<at::Tensor> CompiledGraph::runPackage(std::vector<at::Tensor> &args,
     const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
     whyNot_ = std::string("its capture failed: ") + (ce ? ce->what_without_backtrace() : e.what());
     log("a compiled graph runs without a CUDA graph: " + whyNot_);
+    setStatus("not used: " + whyNot_);
     return loader_->run(args);
   }
   ++captures_;
+  setStatus(captures_ < kMaxCaptures ? "replayed"
+                                     : "replayed (for its last scalars only: they changed after " +
+                                           std::to_string(kMaxCaptures) + " captures)");
   if (counters_)
     ++counters_[1];
   graphScalars_.assign(scalars.begin(), scalars.end());
@@ -220,16 +229,13 @@ std::vector<at::Tensor> CompiledGraph::runPackage(std::vector<at::Tensor> &args,
 }
 
 std::string CompiledGraph::cudaGraphStatus() const {
-  if (!cudaGraphs_)
-    return "";
-  std::lock_guard<std::mutex> lock(graphMu_);
-  if (!whyNot_.empty())
-    return "not used: " + whyNot_;
-  if (graph_)
-    return "replayed";
-  if (captures_ >= kMaxCaptures)
-    return "not used: its scalars changed after " + std::to_string(kMaxCaptures) + " captures";
-  return "not captured yet (at the second run in a row with the same scalars)";
+  std::lock_guard<std::mutex> lock(statusMu_);
+  return status_;
+}
+
+void CompiledGraph::setStatus(std::string status) const {
+  std::lock_guard<std::mutex> lock(statusMu_);
+  status_ = std::move(status);
 }
 
 CompiledGraph::~CompiledGraph() = default;
@@ -674,8 +680,11 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, CompileWork
       written[i] = true;
     }
     try {
+      // A CUDA graph captures a single-threaded package's run: the other kind records and
+      // queries an event around each run, which a capture may not do.
       auto loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
-          package, "model", false, 1, device_.is_cuda() ? device_.index() : -1);
+          package, "model", compile_mode::cudaGraphs(job.mode), 1,
+          device_.is_cuda() ? device_.index() : -1);
       return std::make_shared<CompiledGraph>(std::move(loader), std::move(spec), record,
                                              job.plan, device_,
                                              compile_mode::cudaGraphs(job.mode),

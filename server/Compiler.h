@@ -134,8 +134,8 @@ private:
   /// Runs the package on \p args, or replays its CUDA graph: captured, in a CUDA-graph mode,
   /// at the second run in a row with the same \p scalars (those a capture holds as constants),
   /// and replayed for runs with them; runs with other scalars run the package, and after
-  /// kMaxCaptures captures the graph stays as it is. A run while another thread replays runs
-  /// the package.
+  /// kMaxCaptures captures the graph stays as it is. In a CUDA-graph mode the package is
+  /// single-threaded: runs take turns.
   std::vector<at::Tensor> runPackage(std::vector<at::Tensor> &args,
                                      llvm::ArrayRef<ir::ScalarValue> scalars,
                                      bool symbolic) const;
@@ -160,6 +160,8 @@ private:
   mutable std::mutex scalarsMu_;
   mutable std::vector<std::vector<at::Tensor>> scalarSets_;
 
+  void setStatus(std::string status) const;
+
   /// CUDA graphs (CudaGraph.h). graphMu_ guards the rest; replays_ is read without it.
   bool cudaGraphs_;
   std::shared_ptr<std::atomic<uint64_t>[]> counters_; ///< [0] replays, [1] captures
@@ -171,6 +173,8 @@ private:
   mutable unsigned captures_ = 0;
   mutable std::string whyNot_; ///< Why runs are not captured (empty: they may be).
   mutable std::atomic<uint64_t> replays_{0};
+  mutable std::mutex statusMu_;
+  mutable std::string status_; ///< cudaGraphStatus.
 };
 
 class Compiler {
