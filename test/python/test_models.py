@@ -136,7 +136,14 @@ def test_a_hugging_face_gpt2_trains_saves_and_generates_like_cpu(tmp_path):
         runs.append(train_losses(m, opt, loss_at, 20, sched))
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
 
+    # Every tensor fetched in one round trip (it was one per tensor); the files a CPU model of
+    # the same weights writes.
+    waits = rgpu.stats()["waits"]
     dev.save_pretrained(tmp_path)
+    assert rgpu.stats()["waits"] - waits <= 2
+    copy.deepcopy(dev).to("cpu").save_pretrained(tmp_path / "cpu")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / name).read_bytes() == (tmp_path / "cpu" / name).read_bytes(), name
     back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
     for (name, a), (_, b) in zip(back.state_dict().items(), dev.state_dict().items()):
         assert torch.equal(a, b.cpu()), name

@@ -174,7 +174,9 @@ def test_safetensors_saves_rgpu_tensors_and_tells_shared_ones_apart(tmp_path):
     ra, rb = a.to(R), b.to(R)
     assert ra.untyped_storage().data_ptr() != rb.untyped_storage().data_ptr()
     assert ra.untyped_storage().data_ptr() == ra.view(12).untyped_storage().data_ptr()
+    waits = rgpu.stats()["waits"]
     st.save_file({"a": ra, "b": rb}, tmp_path / "t.safetensors")
+    assert rgpu.stats()["waits"] - waits <= 1  # both fetched in one round trip
     loaded = st.load_file(tmp_path / "t.safetensors")
     assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"], b)
     model = TiedGPT().to(R)
