@@ -448,7 +448,7 @@ std::string Compiler::stem(const ir::Hash256 &hash, llvm::StringRef mode) const 
 
 namespace compile_mode {
 bool known(llvm::StringRef mode) {
-  return mode == "default" || mode == "" || mode == "reduce-overhead" || autotunes(mode);
+  return mode.empty() || mode == "default" || mode == "reduce-overhead" || autotunes(mode);
 }
 bool autotunes(llvm::StringRef mode) {
   return mode == "max-autotune" || mode == "max-autotune-no-cudagraphs";
@@ -521,7 +521,7 @@ void Compiler::preferMode(const ir::Hash256 &hash, const std::string &mode) {
   std::lock_guard<std::mutex> lock(mu_);
   GraphState &g = graphs_[hash];
   if (g.state == State::Counting)
-    g.mode = mode == "default" ? "" : mode;
+    g.mode = mode; // "default" too: not the server's mode
 }
 
 Compiler::Report Compiler::report(const ir::Hash256 &hash) {

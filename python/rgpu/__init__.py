@@ -435,7 +435,9 @@ def _compile_rgpu_tensors_on_the_server():
                 "graph with Inductor on rgpu-opserver")
         from .backend import compile_backend
 
-        return compile_backend(mode=getattr(self, "_rgpu_mode", None))(model_, inputs_)
+        # torch.compile says "default" for no mode at all: the server's --compile-mode then.
+        mode = getattr(self, "_rgpu_mode", None)
+        return compile_backend(mode=None if mode == "default" else mode)(model_, inputs_)
 
     wrapper.__init__ = __init__
     wrapper.__call__ = __call__

@@ -4,10 +4,11 @@ Dynamo captures the Python program; aot_autograd splits it into a forward and a 
 of aten ops. Each of those runs on rgpu tensors as one region: the region's ops are traced like
 any other rgpu ops and cut into exactly one rgpu graph at its end, which travels, is cached and
 is compiled on the server like a lazy graph (the server compiles it with Inductor at its second
-run: the first step of a training loop can trace another graph, once). With ``dynamic=True`` (or sizes dynamo has seen change), the sizes dynamo traced as
-symbols are declared dynamic (rgpu.mark_dynamic), so a region ships one symbolic graph, not one
-per shape. Whatever the user traced before the region (an optimizer step, say)
-is cut into its own graph first, so a region's graph is the same every step.
+run: the first step of a training loop can trace another graph, once). With ``dynamic=True``
+(or sizes dynamo has seen change), the sizes dynamo traced as symbols are declared dynamic
+(rgpu.mark_dynamic), so a region ships one symbolic graph, not one per shape. Whatever the user
+traced before the region (an optimizer step, say) is cut into its own graph first, so a
+region's graph is the same every step after the first.
 
 Every op of a captured graph must be an aten op: the server runs nothing else. A custom op
 (``torch.library.custom_op``) raises ``rgpu.UnsupportedOpError`` at compile time, naming it,
