@@ -80,6 +80,8 @@ print("ok")
 def test_unknown_options_are_errors():
     r = run("--frobnicate")
     assert r.returncode == 2 and "--help" in r.stderr
+    r = run("--compile-mode", "fastest")  # torch.compile's modes only
+    assert r.returncode == 2 and "max-autotune-no-cudagraphs, not 'fastest'" in r.stderr, r.stderr
 
 
 def test_docs_list_every_op_the_server_refuses():
