@@ -294,8 +294,10 @@ def metrics_report() -> str:
         wait = g["wait_ms"] / g["waited_runs"] if g["waited_runs"] else 0.0
         sg = on_server.get(g["hash"], {})
         execute = sg["execute_ms"] / sg["runs"] if sg.get("runs") else 0.0
+        executor = sg.get("executor", "-") + (" + CUDA graph" if sg.get("cuda_graph") ==
+                                              "replayed" else "")
         lines.append(f"  {g['hash'][:12]}  {g['nodes']:5}  {g['runs']:6}  {execute:11.2f}  {wait:11.2f}"
-                     f"  {sg.get('build_ms', 0.0):8.2f}  {sg.get('executor', '-'):25}"
+                     f"  {sg.get('build_ms', 0.0):8.2f}  {executor:25}"
                      f"  {g['cut_at'] or '?'}")
     lines += ["", "sync sites (by total wait):", "  syncs  wait ms  site"]
     for site in sorted(m["sites"], key=lambda x: -x["wait_ms"]):
