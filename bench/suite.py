@@ -13,8 +13,8 @@ run has `server_idle_share`: the share of its timed steps' time in which the ser
 its graphs (waiting for the client to trace, or for the link). `compile` compares the time to
 compile the gpt and cnn steps from empty caches: torch.compile's forward and backward graphs on
 the server against local torch.compile's (`compile_time_ratio`), and the eager rgpu step's
-graphs, optimizer included, against the same (`step_compile_ratio`). Results: OUT/latest.json, OUT/latest.png, and a table on
-stdout. Compare ratios within one run.
+graphs, optimizer included, against the same (`step_compile_ratio`). Results:
+OUT/latest.json, OUT/latest.png, and a table on stdout. Compare ratios within one run.
 
 Systems:
   cpu-eager       local eager PyTorch on CPU
