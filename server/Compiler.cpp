@@ -164,7 +164,7 @@ void sweepTemporaries(const std::string &dir) {
 CompiledGraph::CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
                              Specialization spec, std::string record,
                              const std::shared_ptr<const Plan> &plan, at::Device device,
-                             bool cudaGraphs, std::shared_ptr<std::atomic<uint64_t>[]> counters)
+                             bool cudaGraphs, std::shared_ptr<CudaGraphCounters> counters)
     : loader_(std::move(loader)), spec_(std::move(spec)), record_(std::move(record)),
       inputs_(plan->graph().inputs.begin(), plan->graph().inputs.end()), device_(device),
       verified_(plan), cudaGraphs_(cudaGraphs), counters_(std::move(counters)) {
@@ -190,13 +190,15 @@ std::vector<at::Tensor> CompiledGraph::runPackage(std::vector<at::Tensor> &args,
   std::lock_guard<std::mutex> lock(graphMu_);
   if (symbolic || !whyNot_.empty())
     return loader_->run(args);
-  const bool same = warm_ && llvm::ArrayRef<ir::ScalarValue>(lastScalars_) == scalars;
-  if (graph_ && llvm::ArrayRef<ir::ScalarValue>(graphScalars_) == scalars) {
+  auto replay = [&] {
     ++replays_;
     if (counters_)
-      ++counters_[0];
+      ++counters_->replays;
     return graph_->replay(args, written_);
-  }
+  };
+  if (graph_ && llvm::ArrayRef<ir::ScalarValue>(graphScalars_) == scalars)
+    return replay();
+  const bool same = warm_ && llvm::ArrayRef<ir::ScalarValue>(lastScalars_) == scalars;
   // Captured at the second run in a row with these scalars: the first ran the package, which
   // loads its kernels and sets up its state (nothing a capture may do).
   if (!same || captures_ >= kMaxCaptures) {
@@ -220,12 +222,9 @@ std::vector<at::Tensor> CompiledGraph::runPackage(std::vector<at::Tensor> &args,
                                      : "replayed (for its last scalars only: they changed after " +
                                            std::to_string(kMaxCaptures) + " captures)");
   if (counters_)
-    ++counters_[1];
+    ++counters_->captures;
   graphScalars_.assign(scalars.begin(), scalars.end());
-  ++replays_;
-  if (counters_)
-    ++counters_[0];
-  return graph_->replay(args, written_);
+  return replay();
 }
 
 std::string CompiledGraph::cudaGraphStatus() const {
@@ -408,6 +407,12 @@ void CompiledGraph::giveScalars(std::vector<at::Tensor> tensors) const {
 
 Compiler::Compiler(CompilerOptions options, at::Device device)
     : options_(std::move(options)), device_(device) {
+  // Everything else that shapes a package: whether it autotunes, not how it is replayed.
+  for (bool autotunes : {false, true}) {
+    std::string key = "torch " + bridge::torchVersion() + "|" + device_.str() + "|" +
+                      (autotunes ? "autotune" : "") + "|" + kWorkerFormat;
+    keys_[autotunes] = hex64(llvm::xxHash64(llvm::StringRef(key)));
+  }
   std::error_code ec;
   fs::create_directories(options_.cacheDir + "/inductor", ec);
   sweepTemporaries(options_.cacheDir + "/inductor");
@@ -439,11 +444,8 @@ void Compiler::shutdown() {
 }
 
 std::string Compiler::stem(const ir::Hash256 &hash, llvm::StringRef mode) const {
-  // Everything else that shapes the package: how a CUDA graph replays it is not in it.
-  std::string key = "torch " + bridge::torchVersion() + "|" + device_.str() + "|" +
-                    (compile_mode::autotunes(mode) ? "autotune" : "") + "|" + kWorkerFormat;
   return options_.cacheDir + "/inductor/" + hash.hex() + "-" +
-         hex64(llvm::xxHash64(llvm::StringRef(key)));
+         keys_[compile_mode::autotunes(mode)];
 }
 
 namespace compile_mode {
@@ -506,7 +508,9 @@ std::shared_ptr<const CompiledGraph> Compiler::lookup(const std::shared_ptr<cons
   }
 }
 
-void Compiler::prefer(const ir::Hash256 &hash, const std::string &executor) {
+void Compiler::prefer(const ir::Hash256 &hash, llvm::StringRef executor, llvm::StringRef mode) {
+  if (executor.empty() && mode.empty())
+    return;
   std::lock_guard<std::mutex> lock(mu_);
   GraphState &g = graphs_[hash];
   if (g.state != State::Counting)
@@ -515,13 +519,8 @@ void Compiler::prefer(const ir::Hash256 &hash, const std::string &executor) {
     g.state = State::Skipped;
   else if (executor == "inductor")
     g.after = std::min(2u, options_.after);
-}
-
-void Compiler::preferMode(const ir::Hash256 &hash, const std::string &mode) {
-  std::lock_guard<std::mutex> lock(mu_);
-  GraphState &g = graphs_[hash];
-  if (g.state == State::Counting)
-    g.mode = mode; // "default" too: not the server's mode
+  if (!mode.empty())
+    g.mode = mode.str();
 }
 
 Compiler::Report Compiler::report(const ir::Hash256 &hash) {
@@ -688,7 +687,7 @@ std::shared_ptr<const CompiledGraph> Compiler::build(const Job &job, CompileWork
       return std::make_shared<CompiledGraph>(std::move(loader), std::move(spec), record,
                                              job.plan, device_,
                                              compile_mode::cudaGraphs(job.mode),
-                                             cudaGraphCounters);
+                                             cudaGraphs);
     } catch (const std::exception &e) {
       const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
       error = std::string("loading its package failed: ") +

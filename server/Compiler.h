@@ -42,6 +42,11 @@ namespace rgpu::server {
 
 class CudaGraph;
 
+/// Compiled runs replayed as CUDA graphs, and captures, of every graph of a compiler.
+struct CudaGraphCounters {
+  std::atomic<uint64_t> replays{0}, captures{0};
+};
+
 /// torch.compile's modes, as the server compiles and runs a graph in them ("" is "default").
 namespace compile_mode {
 bool known(llvm::StringRef mode);
@@ -95,12 +100,12 @@ class CompiledGraph {
 public:
   /// \p record is the canonical bytes (ir::canonicalBytes) of the graph the package was
   /// compiled from, \p plan a plan of that graph.
-  /// With \p cudaGraphs, runs are replayed as CUDA graphs where they can be; \p replays and
-  /// \p captures count them (the compiler's counters, which outlive it).
+  /// With \p cudaGraphs, runs are replayed as CUDA graphs where they can be; \p counters count
+  /// them (the compiler's, shared: a package may outlive its compiler).
   CompiledGraph(std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader,
                 Specialization spec, std::string record, const std::shared_ptr<const Plan> &plan,
                 at::Device device, bool cudaGraphs = false,
-                std::shared_ptr<std::atomic<uint64_t>[]> counters = nullptr);
+                std::shared_ptr<CudaGraphCounters> counters = nullptr);
   ~CompiledGraph();
 
   /// True if \p plan runs the graph this package was compiled from: its canonical bytes are
@@ -164,7 +169,7 @@ private:
 
   /// CUDA graphs (CudaGraph.h). graphMu_ guards the rest; replays_ is read without it.
   bool cudaGraphs_;
-  std::shared_ptr<std::atomic<uint64_t>[]> counters_; ///< [0] replays, [1] captures
+  std::shared_ptr<CudaGraphCounters> counters_;
   std::vector<uint32_t> written_;                     ///< Inputs the package writes.
   mutable std::mutex graphMu_;
   mutable std::unique_ptr<CudaGraph> graph_;
@@ -190,14 +195,14 @@ public:
                                               llvm::ArrayRef<ir::ScalarValue> scalars,
                                               llvm::ArrayRef<int64_t> symbols,
                                               const std::vector<Entry> &inputs, bool &queued);
-  /// Follows a client's executor hint for a graph before its first run: "inductor" compiles it
+  /// Follows a client's hints for a graph before its first run. \p executor: "inductor" compiles it
   /// at its second run (or first, with --compile-after 1) whatever --compile-after says, "plan"
   /// never. Not the first: the first step of a torch.compile region often traces a graph that
   /// later steps do not (their parameters are the optimizer's outputs), which would be compiled
   /// for one run.
-  void prefer(const ir::Hash256 &hash, const std::string &executor);
-  /// Compiles and runs the graph in \p mode (compile_mode), not the server's --compile-mode.
-  void preferMode(const ir::Hash256 &hash, const std::string &mode);
+  /// \p mode, if not empty: a compile_mode the graph is compiled and run in instead of the
+  /// server's --compile-mode ("default" too).
+  void prefer(const ir::Hash256 &hash, llvm::StringRef executor, llvm::StringRef mode);
   /// What one graph runs on, and its compile, for the statistics.
   struct Report {
     /// "inductor", "plan (inductor compiling)", "plan (inductor failed)" or "plan".
@@ -216,8 +221,7 @@ public:
   std::atomic<uint64_t> compiles{0}, failures{0}, diskHits{0}, pending{0};
   std::atomic<uint64_t> dropped{0}, evictions{0}, diskEvictions{0};
   std::atomic<uint64_t> compileNs{0}; ///< The time of every compile that ended, together.
-  /// Compiled runs replayed as CUDA graphs ([0]) and captures ([1]), of every graph.
-  std::shared_ptr<std::atomic<uint64_t>[]> cudaGraphCounters{new std::atomic<uint64_t>[2]{}};
+  std::shared_ptr<CudaGraphCounters> cudaGraphs = std::make_shared<CudaGraphCounters>();
 
 private:
   enum class State { Counting, Queued, Ready, Failed, Skipped };
@@ -258,6 +262,7 @@ private:
 
   CompilerOptions options_;
   at::Device device_;
+  std::string keys_[2]; ///< A package's cache key, without and with autotuning (stem).
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> queue_;

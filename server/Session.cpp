@@ -570,8 +570,8 @@ void Session::stats(wire::ServerStats::Builder out) {
     out.setDiskEvictions(c->diskEvictions);
     out.setCompilesDropped(c->dropped);
     out.setCompileNs(c->compileNs);
-    out.setCudaGraphReplays(c->cudaGraphCounters[0]);
-    out.setCudaGraphCaptures(c->cudaGraphCounters[1]);
+    out.setCudaGraphReplays(c->cudaGraphs->replays);
+    out.setCudaGraphCaptures(c->cudaGraphs->captures);
   } else {
     out.setCompiler("plan");
   }

@@ -47,19 +47,22 @@ void Session::handleDefine(wire::Define::Reader r) {
     defined_[hash] = plan;
     graphBytes_ += plan->bytes;
     refused_.erase(hash);
+    // Hints in enumerants this server does not know are ignored, as no hint.
     using Executor = wire::Define::Executor;
-    const Executor executor = r.getExecutor();
-    const bool preferred = executor == Executor::INDUCTOR || executor == Executor::PLAN;
-    if (ctx_.compiler() && plan->shared && preferred)
-      ctx_.compiler()->prefer(hash, executor == Executor::INDUCTOR ? "inductor" : "plan");
     using Mode = wire::Define::CompileMode;
-    const Mode mode = r.getMode();
-    if (ctx_.compiler() && plan->shared && mode != Mode::SERVER_DECIDES)
-      ctx_.compiler()->preferMode(hash, mode == Mode::REDUCE_OVERHEAD ? "reduce-overhead"
-                                        : mode == Mode::MAX_AUTOTUNE ? "max-autotune"
-                                        : mode == Mode::MAX_AUTOTUNE_NO_CUDAGRAPHS
-                                            ? "max-autotune-no-cudagraphs"
-                                            : "default");
+    const char *executor = r.getExecutor() == Executor::INDUCTOR ? "inductor"
+                           : r.getExecutor() == Executor::PLAN   ? "plan"
+                                                                 : "";
+    const char *mode = "";
+    switch (r.getMode()) {
+    case Mode::STANDARD: mode = "default"; break;
+    case Mode::REDUCE_OVERHEAD: mode = "reduce-overhead"; break;
+    case Mode::MAX_AUTOTUNE: mode = "max-autotune"; break;
+    case Mode::MAX_AUTOTUNE_NO_CUDAGRAPHS: mode = "max-autotune-no-cudagraphs"; break;
+    default: break;
+    }
+    if (ctx_.compiler() && plan->shared)
+      ctx_.compiler()->prefer(hash, executor, mode);
     return;
   }
   std::string error = message(planned.takeError());
