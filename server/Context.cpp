@@ -1,5 +1,7 @@
 #include "Context.h"
 #include "Compiler.h"
+#include "ContentStore.h"
+#include "Files.h"
 #include "Log.h"
 #include "Session.h"
 
@@ -16,7 +18,8 @@ namespace rgpu::server {
 
 Context::Context(std::vector<c10::Device> devices, wire::Limits limits,
                  std::unique_ptr<Compiler> compiler)
-    : devices_(std::move(devices)), limits_(limits), compiler_(std::move(compiler)) {
+    : devices_(std::move(devices)), limits_(limits), compiler_(std::move(compiler)),
+      store_(std::make_unique<ContentStore>("", 0)), files_(std::make_unique<FilesArea>("", 0)) {
   if (devices_.empty())
     devices_.push_back(c10::kCPU);
   // Host memory is reused across sessions: every CPU allocation is zeroed, so no session reads
@@ -69,6 +72,9 @@ void Context::keep(const std::shared_ptr<const Plan> &plan) {
 }
 
 Context::~Context() = default;
+
+void Context::setStore(std::unique_ptr<ContentStore> store) { store_ = std::move(store); }
+void Context::setFiles(std::unique_ptr<FilesArea> files) { files_ = std::move(files); }
 
 void Context::activate(const std::string &id, uint64_t connId, const std::string &principal) {
   std::lock_guard<std::mutex> lock(parkMu_);

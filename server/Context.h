@@ -32,6 +32,8 @@
 namespace rgpu::server {
 
 class Compiler;
+class ContentStore;
+class FilesArea;
 class Plan;
 class Session;
 
@@ -71,6 +73,14 @@ public:
                                  : limits_.uploadChunkBytes;
   }
   Compiler *compiler() const { return compiler_.get(); }
+  /// Uploads kept by their digest (--store-dir, --store-size); one that keeps nothing unless
+  /// set.
+  ContentStore &store() { return *store_; }
+  void setStore(std::unique_ptr<ContentStore> store);
+  /// Each principal's files (--files-dir, --files-quota); none unless set.
+  FilesArea &files() { return *files_; }
+  void setFiles(std::unique_ptr<FilesArea> files);
+  std::atomic<uint64_t> uploadBytesDeduplicated{0};
   /// Kills the compiles in flight and removes their temporary files (a shutdown).
   void stopCompiles();
 
@@ -144,6 +154,8 @@ private:
   std::vector<c10::Device> devices_;
   wire::Limits limits_;
   std::unique_ptr<Compiler> compiler_;
+  std::unique_ptr<ContentStore> store_;
+  std::unique_ptr<FilesArea> files_;
   std::atomic<bool> deviceLost_{false};
   std::mutex lostMu_;
   std::string lostWhy_;

@@ -75,6 +75,7 @@ constexpr const char *kListen = "where clients connect, and who may";
 constexpr const char *kLimits = "what a client may hold and send";
 constexpr const char *kMemory =
     "memory and caches (SIZE: a number with a unit, such as 8GiB, 512MiB or 64k)";
+constexpr const char *kData = "data kept on this machine";
 constexpr const char *kOther = "other";
 
 // clang-format off
@@ -253,6 +254,26 @@ const Flag kFlags[] = {
    "are deleted",
    [](Options &o, llvm::StringRef v) { return size(v, o.compile.diskBytes); }},
 
+  {kData, "--store-dir", "DIR",
+   "where uploads of 1 MiB or more are kept by the digest of their bytes, each principal's "
+   "apart, so that a second upload of the same weights by the same principal sends digests, "
+   "not bytes (default: store in --cache-dir)",
+   [](Options &o, llvm::StringRef v) { return text(v, o.storeDir); }},
+  {kData, "--store-size", "SIZE",
+   "bytes the upload store keeps, every principal's together; the least recently used go "
+   "first (default 16GiB; 0: keep none)",
+   [](Options &o, llvm::StringRef v) { return size(v, o.storeSize); }},
+  {kData, "--files-dir", "DIR",
+   "a files area: each principal gets DIR/NAME (its principal's name; `uid` for peers of the "
+   "Unix socket) for checkpoints, datasets and model directories that rgpu.remote(path) "
+   "reads and writes here, without their bytes crossing the client's link. Paths are "
+   "relative to it; symbolic links, '..' and special files are refused (default: none)",
+   [](Options &o, llvm::StringRef v) { return text(v, o.filesDir); }},
+  {kData, "--files-quota", "SIZE",
+   "bytes one principal's files may hold (default 64GiB; 0: no limit); a write past it fails "
+   "and keeps nothing",
+   [](Options &o, llvm::StringRef v) { return size(v, o.filesQuota); }},
+
   {kOther, "--refused-ops", nullptr,
    "list the aten ops this server refuses to run, with the reason for each, and exit",
    [](Options &o, llvm::StringRef) -> llvm::Error {
@@ -369,6 +390,8 @@ llvm::Expected<Options> parseOptions(int argc, char **argv, const char *python) 
     o.compile.python = python;
   if (o.compile.cacheDir.empty())
     o.compile.cacheDir = defaultCacheDir();
+  if (o.storeDir.empty())
+    o.storeDir = o.compile.cacheDir + "/store";
   if (o.compile.kernelCacheDir.empty())
     o.compile.kernelCacheDir = o.compile.cacheDir + "/torchinductor";
   // TCP only when asked for; the Unix socket when asked for or when nothing else is.

@@ -36,6 +36,10 @@ struct Options {
   ConnectionLimits connection;         ///< --hello-timeout, --frame-timeout, --max-pending, ...
   Budgets budgets;                     ///< --session-memory, --graph-memory, --plan-cache, ...
   uint64_t memoryLimit = 0;            ///< --memory-limit (default: 85% of physical memory)
+  std::string storeDir;                ///< --store-dir (default: store in the cache dir)
+  uint64_t storeSize = uint64_t(16) << 30; ///< --store-size
+  std::string filesDir;                ///< --files-dir; empty: no files area
+  uint64_t filesQuota = uint64_t(64) << 30; ///< --files-quota; 0: none
   uint64_t sessionGraceMs = 120000;    ///< --session-grace
   size_t maxConnections = 256;         ///< --max-connections
   size_t workers = 0;                  ///< --workers (default: the cores, at least 4)

@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 #pragma once
 
+#include "Files.h"
 #include "Session.h"
 
 #include <variant>
@@ -43,10 +44,29 @@ struct RngState {
 };
 /// Sync's answer.
 struct Done {};
+/// HasContent's answer: per digest, whether the principal's store holds it.
+struct Present {
+  std::vector<bool> present;
+};
+/// A files-area listing.
+struct Files {
+  std::vector<FilesArea::Entry> entries;
+};
+/// A torch.save archive's records: small ones with their bytes, storages bound to handles.
+struct Records {
+  struct Record {
+    std::string name;
+    std::string data;
+    std::optional<uint64_t> handle; ///< a storage: bound to it, a uint8 tensor of `size` bytes
+    uint64_t size = 0;
+  };
+  std::vector<Record> records;
+};
 } // namespace result
 
 using Result = std::variant<result::Hello, result::Data, result::Metas, result::Stats,
-                            result::Memory, result::Text, result::RngState, result::Done>;
+                            result::Memory, result::Text, result::RngState, result::Done,
+                            result::Present, result::Files, result::Records>;
 
 /// The results of the frame being served, in the order of its commands.
 struct Session::Reply {

@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 #include "Session.h"
 #include "Compiler.h"
+#include "ContentStore.h"
 #include "Device.h"
 #include "Results.h"
 
@@ -119,6 +120,8 @@ FrameOutcome Session::serve(const net::Frame &frame) {
         case wire::Command::JOIN_GROUP: handleJoinGroup(cmd.getJoinGroup(), at, reply); break;
         case wire::Command::CANCEL: break; // the I/O loop acted on it as it arrived
         case wire::Command::SYNC: handleSync(reply); break;
+        case wire::Command::HAS_CONTENT: handleHasContent(cmd.getHasContent(), reply); break;
+        case wire::Command::FILE: handleFile(cmd.getFile(), reply); break;
         default: throw ProtocolError{"unknown command"};
         }
       } catch (const std::exception &e) {
@@ -156,6 +159,8 @@ bool Session::dropsCommands() const {
 }
 
 void Session::failCommand(const std::exception &e) {
+  if (const auto *fe = dynamic_cast<const FileError *>(&e))
+    return fail(sessionError(fe->what(), fe->pythonType));
   const c10::Error *ce = dynamic_cast<const c10::Error *>(&e);
   fail(sessionError(ce ? ce->what_without_backtrace() : e.what(), pythonTypeOf(e)));
 }
@@ -219,6 +224,37 @@ FrameOutcome Session::finish(const net::Frame &frame, FrameOutcome outcome, Repl
                      dataBytes += s.state.size();
                    },
                    [&](result::Done &) { out.setDone(); },
+                   [&](result::Present &p) {
+                     auto ps = out.initPresent(p.present.size());
+                     for (size_t k = 0; k < p.present.size(); ++k)
+                       ps.set(k, p.present[k]);
+                   },
+                   [&](result::Files &f) {
+                     auto es = out.initFiles(f.entries.size());
+                     for (size_t k = 0; k < f.entries.size(); ++k) {
+                       es[k].setName(f.entries[k].name);
+                       es[k].setSize(f.entries[k].size);
+                       es[k].setDirectory(f.entries[k].directory);
+                     }
+                   },
+                   [&](result::Records &r) {
+                     auto rs = out.initRecords(r.records.size());
+                     for (size_t k = 0; k < r.records.size(); ++k) {
+                       const auto &rec = r.records[k];
+                       rs[k].setName(rec.name);
+                       if (rec.handle) {
+                         auto t = rs[k].initTensor();
+                         t.setHandle(*rec.handle);
+                         wire::encodeMeta(
+                             ir::TensorMeta::contiguous(ir::dtype::Byte, {int64_t(rec.size)}),
+                             t.initMeta());
+                       } else {
+                         rs[k].setData(kj::arrayPtr(
+                             reinterpret_cast<const kj::byte *>(rec.data.data()), rec.data.size()));
+                         dataBytes += rec.data.size();
+                       }
+                     }
+                   },
                },
                reply.results[i]);
   }
@@ -560,6 +596,13 @@ void Session::stats(wire::ServerStats::Builder out) {
   out.setSessionsParked(ctx_.sessionsParked());
   out.setResumes(ctx_.resumes);
   out.setSessionsExpired(ctx_.sessionsExpired);
+  out.setUploadBytesDeduplicated(ctx_.uploadBytesDeduplicated);
+  out.setStoreBytes(ctx_.store().bytes());
+  out.setStoreEvictions(ctx_.store().evictions);
+  if (ctx_.files().enabled()) {
+    out.setFilesBytes(ctx_.files().used(principal()));
+    out.setFilesQuota(ctx_.files().quota());
+  }
   if (Compiler *c = ctx_.compiler()) {
     out.setCompiler("inductor");
     out.setInductorCompiles(c->compiles);

@@ -144,6 +144,18 @@ private:
   void handleUpload(wire::Upload::Reader r);
   void handleDownload(wire::Download::Reader r, Reply &reply);
   void handleReleaseRanges(capnp::List<uint64_t>::Reader ranges);
+  // The content store and the files area (FileCommands.cpp).
+  void handleHasContent(capnp::List<wire::Hash>::Reader digests, Reply &reply);
+  void handleFile(wire::FileRequest::Reader r, Reply &reply);
+  void writeFile(const std::string &path, wire::FileWrite::Reader r);
+  void fileTensor(const std::string &path, wire::FileTensor::Reader r);
+  void gatherFile(const std::string &path, wire::FileGather::Reader r);
+  void saveArchive(const std::string &path, capnp::List<wire::ArchiveRecord>::Reader records);
+  void loadArchive(const std::string &path, wire::LoadArchive::Reader r, Reply &reply);
+  /// The tensor bound to \p handle; a SessionError if none is, or its error.
+  const at::Tensor &tensorOf(uint64_t handle, const char *what);
+  /// \p host (a CPU tensor read from a file or the store) on rgpu:\p device.
+  at::Tensor onDevice(const at::Tensor &host, uint8_t device);
 
   /// Runs graph \p r; returns its outputs' metas if the Run asks for them.
   std::vector<ir::TensorMeta> run(wire::Run::Reader r, const FrameTail *tail);

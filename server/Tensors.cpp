@@ -5,11 +5,13 @@
 //
 //===----------------------------------------------------------------------===//
 #include "Session.h"
+#include "ContentStore.h"
 #include "Compiler.h"
 #include "Device.h"
 #include "Policy.h"
 #include "Results.h"
 
+#include "rgpu/ir/Digest.h"
 #include "rgpu/ir/Error.h"
 #include "rgpu/wire/Planes.h"
 
@@ -314,6 +316,8 @@ void Session::handleUpload(wire::Upload::Reader r) {
   else if (offset != 0 && offset != earlier->received)
     why = "its chunk at offset " + std::to_string(offset) + " does not follow the " +
           std::to_string(earlier->received) + " bytes received"; // chunks cover every byte once
+  else if (r.getStored() && (!r.hasDigest() || offset != 0 || data.size() || packed))
+    why = "a stored upload is one chunk with a digest and no data";
   auto refuse = [&] {
     partial_.erase(handle);
     auto e = sessionError("malformed upload for handle " + std::to_string(handle) + ": " + why);
@@ -341,7 +345,17 @@ void Session::handleUpload(wire::Upload::Reader r) {
       fail(part->error);
     }
   }
-  if (length && !part->error) {
+  if (r.getStored()) {
+    // The bytes are the principal's store's (Command.hasContent said it holds them).
+    const ir::Hash256 digest = wire::decodeHash(r.getDigest());
+    if (!part->error && !ctx_.store().read(principal_, digest, part->cpu.data_ptr(), total)) {
+      why = "the content store holds no " + std::to_string(total) + " bytes under digest " +
+            digest.hex() + " for this principal (dropped since the client asked?)";
+      return refuse();
+    }
+    ctx_.uploadBytesDeduplicated += total;
+    part->received = total;
+  } else if (length && !part->error) {
     auto *at = static_cast<uint8_t *>(part->cpu.data_ptr()) + offset;
     if (!packed) {
       std::memcpy(at, data.begin(), length);
@@ -357,6 +371,16 @@ void Session::handleUpload(wire::Upload::Reader r) {
     bind(handle, {at::Tensor(), part->error});
     partial_.erase(handle);
     return;
+  }
+  if (r.hasDigest() && !r.getStored()) {
+    // Named by their content: kept for the principal's next upload of the same bytes, once
+    // they are checked against the name.
+    const ir::Hash256 digest = wire::decodeHash(r.getDigest());
+    if (ir::digestOf(part->cpu.data_ptr(), total) != digest) {
+      why = "its " + std::to_string(total) + " bytes do not match the digest sent with them";
+      return refuse();
+    }
+    ctx_.store().put(principal_, digest, part->cpu.data_ptr(), total);
   }
   Entry e;
   try {

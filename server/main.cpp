@@ -4,8 +4,10 @@
 // every session shares and runs the I/O loop (Loop.h) with its worker pool (Pool.h).
 //
 //===----------------------------------------------------------------------===//
+#include "ContentStore.h"
 #include "Context.h"
 #include "Device.h"
+#include "Files.h"
 #include "Groups.h"
 #include "Log.h"
 #include "Loop.h"
@@ -173,6 +175,8 @@ int main(int argc, char **argv) {
   ctx.storeHost = o.storeHost;
   ctx.sessionGraceMs = o.sessionGraceMs;
   ctx.instance = net::auth::randomBytes(8);
+  ctx.setStore(std::make_unique<ContentStore>(o.storeDir, o.storeSize));
+  ctx.setFiles(std::make_unique<FilesArea>(o.filesDir, o.filesQuota));
   memory::install(o.memoryLimit);
   Loop loop(ctx, o.connection, o.spinUs);
   std::string where, tokenNote;
@@ -201,5 +205,9 @@ int main(int argc, char **argv) {
                                : std::string()));
   if (!tokenNote.empty())
     log(tokenNote);
+  if (!o.filesDir.empty())
+    log("files area " + o.filesDir + " (" +
+        (o.filesQuota ? memory::sizeText(o.filesQuota) + " a principal" : std::string("no quota")) +
+        "), upload store " + (o.storeSize ? o.storeDir : std::string("off")));
   return loop.run();
 }

@@ -53,6 +53,63 @@ struct Upload {
   uint64_t offset = 0, length = 0;
   /// The chunk compressed by byte plane (rgpu/wire/Planes.h); if set, `bytes` is not sent.
   std::string encoded;
+  /// Named by its content: the BLAKE2b-256 of all its bytes, and, if \p stored, the server's
+  /// store has them and no bytes are sent.
+  std::optional<ir::Hash256> digest;
+  bool stored = false;
+};
+
+/// Asks which of \p digests the server's content store holds for this principal.
+struct HasContent {
+  std::vector<ir::Hash256> digests;
+};
+
+/// A tensor of the session, as a file's bytes in the layout \p meta.
+struct StoredTensor {
+  uint64_t handle = 0;
+  ir::TensorMeta meta;
+};
+
+/// A request of the server's files area for \p path (wire::FileRequest); one of:
+namespace file {
+struct List {};
+struct Read {
+  uint64_t offset = 0, length = 0;
+};
+struct Write {
+  uint64_t offset = 0;
+  /// Bytes, or a tensor's bytes, in order.
+  std::vector<std::variant<std::string, StoredTensor>> parts;
+  bool commit = false;
+  std::optional<ir::Hash256> digest;
+};
+struct Remove {};
+struct Tensor {
+  uint64_t handle = 0, offset = 0;
+  ir::TensorMeta meta;
+  uint8_t device = 0;
+};
+struct Gather {
+  uint64_t handle = 0, index = 0, rows = 0, offset = 0;
+  int8_t dtype = 0;
+  std::vector<int64_t> rowSizes;
+  uint8_t device = 0;
+};
+/// Records of a torch.save archive, by name: bytes, or a tensor's.
+struct SaveArchive {
+  std::vector<std::pair<std::string, std::variant<std::string, StoredTensor>>> records;
+};
+struct LoadArchive {
+  uint64_t firstHandle = 0;
+  uint8_t device = 0;
+};
+} // namespace file
+
+struct File {
+  std::string path;
+  std::variant<file::List, file::Read, file::Write, file::Remove, file::Tensor, file::Gather,
+               file::SaveArchive, file::LoadArchive>
+      op;
 };
 
 /// Asks for a tensor's bytes in layout \p meta: all of them (length 0) or one chunk.
@@ -116,6 +173,7 @@ struct JoinGroup {
 using Command = std::variant<command::Define, command::Run, command::Upload, command::Download,
                              command::Forget, command::Seed, command::Stats, command::Memory,
                              command::Sync, command::Generator, command::RngState,
-                             command::HostStore, command::JoinGroup>;
+                             command::HostStore, command::JoinGroup, command::HasContent,
+                             command::File>;
 
 } // namespace rgpu::client

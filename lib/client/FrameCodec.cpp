@@ -8,6 +8,13 @@
 
 namespace rgpu::client {
 
+namespace {
+template <class... F> struct Overloaded : F... {
+  using F::operator()...;
+};
+template <class... F> Overloaded(F...) -> Overloaded<F...>;
+} // namespace
+
 //===----------------------------------------------------------------------===//
 // Commands into a client frame
 //===----------------------------------------------------------------------===//
@@ -18,7 +25,7 @@ uint64_t FrameEncoder::encode(wire::ClientFrame::Builder frame, llvm::ArrayRef<C
   uint64_t dataBytes = 0;
   for (size_t i = 0; i < commands.size(); ++i) {
     std::visit([&](const auto &c) { put(c, cmds[i]); }, commands[i]);
-    if (const auto *u = std::get_if<command::Upload>(&commands[i]))
+    if (const auto *u = std::get_if<command::Upload>(&commands[i]); u && !u->stored)
       dataBytes += u->length;
   }
   if (!releases.empty()) {
@@ -74,9 +81,95 @@ void FrameEncoder::put(const command::Upload &c, wire::Command::Builder b) {
     u.setLength(c.length);
     u.setData(kj::arrayPtr(reinterpret_cast<const kj::byte *>(c.encoded.data()),
                            c.encoded.size()));
-  } else {
+  } else if (!c.stored) {
     u.setData(kj::arrayPtr(c.bytes.get() + c.offset, c.length));
   }
+  if (c.digest) {
+    wire::encodeHash(*c.digest, u.initDigest());
+    u.setStored(c.stored);
+  }
+}
+
+void FrameEncoder::put(const command::HasContent &c, wire::Command::Builder b) {
+  auto ds = b.initHasContent(c.digests.size());
+  for (size_t k = 0; k < c.digests.size(); ++k)
+    wire::encodeHash(c.digests[k], ds[k]);
+}
+
+namespace {
+kj::ArrayPtr<const kj::byte> bytesOf(const std::string &s) {
+  return kj::arrayPtr(reinterpret_cast<const kj::byte *>(s.data()), s.size());
+}
+
+void putStored(const command::StoredTensor &t, wire::StoredTensor::Builder b) {
+  b.setHandle(t.handle);
+  wire::encodeMeta(t.meta, b.initMeta());
+}
+} // namespace
+
+void FrameEncoder::put(const command::File &c, wire::Command::Builder b) {
+  auto f = b.initFile();
+  f.setPath(c.path);
+  std::visit(
+      Overloaded{
+          [&](const command::file::List &) { f.setList(); },
+          [&](const command::file::Read &r) {
+            auto rd = f.initRead();
+            rd.setOffset(r.offset);
+            rd.setLength(r.length);
+          },
+          [&](const command::file::Write &w) {
+            auto wr = f.initWrite();
+            wr.setOffset(w.offset);
+            wr.setCommit(w.commit);
+            if (w.digest)
+              wire::encodeHash(*w.digest, wr.initDigest());
+            auto parts = wr.initParts(w.parts.size());
+            for (size_t k = 0; k < w.parts.size(); ++k) {
+              if (const auto *data = std::get_if<std::string>(&w.parts[k]))
+                parts[k].setData(bytesOf(*data));
+              else
+                putStored(std::get<command::StoredTensor>(w.parts[k]), parts[k].initTensor());
+            }
+          },
+          [&](const command::file::Remove &) { f.setRemove(); },
+          [&](const command::file::Tensor &t) {
+            auto ft = f.initTensor();
+            ft.setHandle(t.handle);
+            ft.setOffset(t.offset);
+            ft.setDevice(t.device);
+            wire::encodeMeta(t.meta, ft.initMeta());
+          },
+          [&](const command::file::Gather &g) {
+            auto fg = f.initGather();
+            fg.setHandle(g.handle);
+            fg.setIndex(g.index);
+            fg.setDtype(g.dtype);
+            fg.setRows(g.rows);
+            fg.setOffset(g.offset);
+            fg.setDevice(g.device);
+            auto sizes = fg.initRowSizes(g.rowSizes.size());
+            for (size_t k = 0; k < g.rowSizes.size(); ++k)
+              sizes.set(k, g.rowSizes[k]);
+          },
+          [&](const command::file::SaveArchive &a) {
+            auto rs = f.initSaveArchive(a.records.size());
+            for (size_t k = 0; k < a.records.size(); ++k) {
+              rs[k].setName(a.records[k].first);
+              if (const auto *data = std::get_if<std::string>(&a.records[k].second))
+                rs[k].setData(bytesOf(*data));
+              else
+                putStored(std::get<command::StoredTensor>(a.records[k].second),
+                          rs[k].initTensor());
+            }
+          },
+          [&](const command::file::LoadArchive &l) {
+            auto la = f.initLoadArchive();
+            la.setFirstHandle(l.firstHandle);
+            la.setDevice(l.device);
+          },
+      },
+      c.op);
 }
 
 void FrameEncoder::put(const command::Download &c, wire::Command::Builder b) {
@@ -183,6 +276,34 @@ Reply decodeReply(wire::ServerFrame::Reader sf) {
       break;
     }
     case wire::Result::TEXT: out.texts.push_back(r.getText()); break;
+    case wire::Result::PRESENT:
+      out.present.emplace_back();
+      for (bool p : r.getPresent())
+        out.present.back().push_back(p);
+      break;
+    case wire::Result::FILES:
+      out.files.emplace_back();
+      for (auto e : r.getFiles())
+        out.files.back().push_back({e.getName(), e.getSize(), e.getDirectory()});
+      break;
+    case wire::Result::RECORDS:
+      out.records.emplace_back();
+      for (auto rec : r.getRecords()) {
+        ArchiveRecord a;
+        a.name = rec.getName();
+        if (rec.isData()) {
+          a.data.assign(reinterpret_cast<const char *>(rec.getData().begin()),
+                        rec.getData().size());
+          a.size = a.data.size();
+        } else {
+          ir::TensorMeta m;
+          a.handle = rec.getTensor().getHandle();
+          if (wire::decodeMeta(rec.getTensor().getMeta(), m) && m.storageBytes() > 0)
+            a.size = uint64_t(m.storageBytes());
+        }
+        out.records.back().push_back(std::move(a));
+      }
+      break;
     case wire::Result::RNG_STATE: {
       auto g = r.getRngState();
       out.rngStates.push_back(

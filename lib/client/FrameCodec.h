@@ -46,6 +46,8 @@ private:
   void put(const command::RngState &c, wire::Command::Builder b);
   void put(const command::HostStore &c, wire::Command::Builder b);
   void put(const command::JoinGroup &c, wire::Command::Builder b);
+  void put(const command::HasContent &c, wire::Command::Builder b);
+  void put(const command::File &c, wire::Command::Builder b);
 
   wire::RunArgsWriter runArgs_;
 };
@@ -68,6 +70,9 @@ struct Reply {
   std::vector<DeviceMemory> memory;
   std::vector<std::string> texts; ///< HostStore and JoinGroup answers.
   std::vector<RngState> rngStates;
+  std::vector<std::vector<bool>> present; ///< HasContent answers.
+  std::vector<std::vector<FileEntry>> files; ///< Files-area listings.
+  std::vector<std::vector<ArchiveRecord>> records; ///< LoadArchive answers.
   std::vector<std::string> notes; ///< For the log.
   std::optional<RemoteError> error;
 };

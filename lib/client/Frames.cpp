@@ -47,6 +47,8 @@ void Session::State::dropQueued() {
   queued.clear();
   queuedTargets.clear();
   releases.clear();
+  deferredUploads.clear();
+  deferredBytes = 0;
 }
 
 Reply Session::State::flush(bool wantReply) {
@@ -54,6 +56,8 @@ Reply Session::State::flush(bool wantReply) {
     raise(ErrorKind::SessionLost, transport.lostReason());
   if (!transport.connected())
     transport.connect();
+  if (!deferredUploads.empty())
+    sendDeferred();
   if (queued.empty() && releases.empty() && !wantReply)
     return {};
   // A frame that runs a graph or asks for values gets a reply even when nobody waits for it:

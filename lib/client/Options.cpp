@@ -47,6 +47,8 @@ Options Options::read(Lookup getenv) {
                  : z == "1" || z == "on" ? Compress::Always
                                          : Compress::Auto;
   }
+  if (const char *v = nonEmpty(getenv, "RGPU_UPLOAD_STORE"))
+    o.contentUploads = std::string(v) != "0" && std::string(v) != "off";
   if (const char *v = nonEmpty(getenv, "RGPU_CACHE_DIR"))
     o.cacheDir = std::string(v) == "off" ? "" : v;
   else

@@ -50,6 +50,9 @@ struct Options {
   /// RGPU_COMPRESS (0/off, 1/on, else auto): uploads travel compressed by byte plane; auto
   /// does so on a link whose fastest exchange took 2 ms or more.
   enum class Compress { Never, Auto, Always } compress = Compress::Auto;
+  /// RGPU_UPLOAD_STORE (0: off): uploads of 1 MiB or more are named by their digest, and the
+  /// server's content store supplies those it holds for this principal.
+  bool contentUploads = true;
   /// Where shipped graphs are kept for rgpu-trace-dump (RGPU_CACHE_DIR, see
   /// wire::defaultCacheDir); empty keeps none.
   std::string cacheDir;

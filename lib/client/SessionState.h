@@ -42,6 +42,10 @@ namespace rgpu::client {
 
 /// Uploads up to this size wait for the next frame; larger ones are sent at once.
 inline constexpr uint64_t kSmallUpload = 64 << 10;
+/// Uploads from this size are named by their content (Session::State::deferredUploads)...
+inline constexpr uint64_t kContentUpload = 1 << 20;
+/// ...and wait for the next frame, up to this many bytes of them.
+inline constexpr uint64_t kDeferredBytes = uint64_t(256) << 20;
 /// An output this small comes back with the reply to its run, up to kValueBudget per cut: a
 /// loss, an accuracy, a gradient norm, GradScaler's found_inf.
 inline constexpr uint64_t kValueBytes = 16;
@@ -186,6 +190,31 @@ struct Session::State {
   at::Tensor tensorFromBytes(const ir::TensorMeta &m, const std::string &bytes);
   /// Whether this upload travels compressed by byte plane (Options::compress).
   bool compressUploads();
+  /// Queues \p bytes (\p meta's span) for \p handle in chunks, sending each large one at once.
+  void queueUpload(uint64_t handle, uint8_t device, const ir::TensorMeta &meta,
+                   std::shared_ptr<const uint8_t> bytes, std::optional<ir::Hash256> digest);
+  /// Uploads of kContentUpload bytes or more, named by their digest, wait here (up to
+  /// kDeferredBytes) until the next frame: one HasContent asks which of them the server's
+  /// store holds, and those go as digests.
+  struct DeferredUpload {
+    uint64_t handle = 0;
+    uint8_t device = 0;
+    ir::TensorMeta meta;
+    std::shared_ptr<const uint8_t> bytes;
+    ir::Hash256 digest;
+  };
+  std::vector<DeferredUpload> deferredUploads;
+  uint64_t deferredBytes = 0;
+  /// Sends the deferred uploads, ahead of what is queued (one round trip).
+  void sendDeferred();
+  /// A tensor's handle and layout on the server, for a command that reads it: cuts if it is
+  /// pending (no wait).
+  command::StoredTensor stored(const at::Tensor &t);
+
+  //===--- The server's files area (RemoteFiles.cpp) ---===//
+  /// Sends \p c alone and waits for its answer.
+  Reply fileRequest(command::File c);
+  std::variant<std::string, command::StoredTensor> partOf(const FilePart &p);
 
   //===--- RNG, generators, questions for the server (Requests.cpp) ---===//
   uint64_t nextGenerator = 1;

@@ -10,6 +10,7 @@
 
 #include "rgpu/bridge/Bridge.h"
 #include "rgpu/client/KnownValues.h"
+#include "rgpu/ir/Digest.h"
 #include "rgpu/wire/Planes.h"
 
 #include <ATen/ATen.h>
@@ -42,34 +43,105 @@ Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta, int device) {
   const std::shared_ptr<const uint8_t> bytes(owner, static_cast<const uint8_t *>(cpu.data_ptr()));
   const uint64_t total = meta.storageBytes();
   const uint64_t handle = s.newHandles(1);
-  const uint64_t chunk = s.transport.limits().uploadChunkBytes;
-  for (uint64_t off = 0; off < total || off == 0; off += chunk) {
-    command::Upload c;
-    c.handle = handle;
-    c.device = uint8_t(device);
-    c.meta = meta;
-    c.bytes = bytes;
-    c.offset = off;
-    c.length = std::min(chunk, total - off);
-    if (c.length >= kCompressedUpload && s.compressUploads()) {
-      if (auto packed =
-              wire::encodePlanes(bytes.get() + off, c.length, ir::dtype::itemSize(meta.dtype))) {
-        s.stats.uploadBytesSaved += c.length - packed->size();
-        c.encoded = std::move(*packed);
-        c.bytes = nullptr; // the frame carries the encoded bytes only
-      }
-    }
-    s.queue(std::move(c));
-    if (total > kSmallUpload)
+  if (total >= kContentUpload && s.options.contentUploads) {
+    s.deferredUploads.push_back(
+        {handle, uint8_t(device), meta, bytes, ir::digestOf(bytes.get(), total)});
+    s.deferredBytes += total;
+    if (s.deferredBytes >= kDeferredBytes)
       s.flush(false);
-    if (total == 0)
-      break;
+  } else {
+    s.queueUpload(handle, uint8_t(device), meta, bytes, std::nullopt);
   }
   ++s.stats.uploads;
   llvm::IntrusiveRefCntPtr<DeviceData> data(new DeviceData(handle, meta));
   if (meta.numel() <= kKnownElements)
     data->value = cpu; // what the server holds: reads and ops on it can be answered here
   return Value{nullptr, 0, std::move(data)};
+}
+
+void Session::State::queueUpload(uint64_t handle, uint8_t device, const ir::TensorMeta &meta,
+                                 std::shared_ptr<const uint8_t> bytes,
+                                 std::optional<ir::Hash256> digest) {
+  const uint64_t total = meta.storageBytes();
+  const uint64_t chunk = transport.limits().uploadChunkBytes;
+  for (uint64_t off = 0; off < total || off == 0; off += chunk) {
+    command::Upload c;
+    c.handle = handle;
+    c.device = device;
+    c.meta = meta;
+    c.bytes = bytes;
+    c.offset = off;
+    c.length = std::min(chunk, total - off);
+    c.digest = digest;
+    if (c.length >= kCompressedUpload && compressUploads()) {
+      if (auto packed =
+              wire::encodePlanes(bytes.get() + off, c.length, ir::dtype::itemSize(meta.dtype))) {
+        stats.uploadBytesSaved += c.length - packed->size();
+        c.encoded = std::move(*packed);
+        c.bytes = nullptr; // the frame carries the encoded bytes only
+      }
+    }
+    queue(std::move(c));
+    if (total > kSmallUpload)
+      flush(false);
+    if (total == 0)
+      break;
+  }
+}
+
+void Session::State::sendDeferred() {
+  std::vector<DeferredUpload> uploads;
+  uploads.swap(deferredUploads);
+  deferredBytes = 0;
+  // The question goes alone; what was queued follows the uploads (it may use them).
+  std::vector<Command> later;
+  later.swap(queued);
+  Targets laterTargets;
+  laterTargets.swap(queuedTargets);
+  std::vector<uint64_t> laterReleases;
+  laterReleases.swap(releases);
+  std::vector<bool> present;
+  try {
+    command::HasContent ask;
+    for (const DeferredUpload &u : uploads)
+      ask.digests.push_back(u.digest);
+    queue(std::move(ask));
+    Reply answer = flush(true);
+    if (answer.present.size() != 1 || answer.present[0].size() != uploads.size())
+      lose("the server did not answer which uploads its store holds");
+    present = std::move(answer.present[0]);
+  } catch (...) {
+    // An error an earlier frame brought (or an interrupt): everything waits for the next
+    // frame, as it was.
+    queued = std::move(later);
+    queuedTargets = std::move(laterTargets);
+    releases = std::move(laterReleases);
+    for (DeferredUpload &u : uploads)
+      deferredBytes += uint64_t(u.meta.storageBytes());
+    deferredUploads = std::move(uploads);
+    throw;
+  }
+  for (size_t k = 0; k < uploads.size(); ++k) {
+    DeferredUpload &u = uploads[k];
+    if (!present[k]) {
+      queueUpload(u.handle, u.device, u.meta, std::move(u.bytes), u.digest);
+      continue;
+    }
+    command::Upload c;
+    c.handle = u.handle;
+    c.device = u.device;
+    c.meta = u.meta;
+    c.digest = u.digest;
+    c.stored = true;
+    stats.uploadBytesDeduplicated += uint64_t(u.meta.storageBytes());
+    queue(std::move(c));
+  }
+  for (Command &c : later)
+    queued.push_back(std::move(c));
+  for (Target &t : laterTargets)
+    queuedTargets.push_back(std::move(t));
+  for (uint64_t h : laterReleases)
+    releases.push_back(h);
 }
 
 bool Session::State::compressUploads() {

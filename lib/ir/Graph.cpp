@@ -1,4 +1,5 @@
 #include "rgpu/ir/Graph.h"
+#include "rgpu/ir/Digest.h"
 #include "rgpu/ir/Symbolic.h"
 
 #include <llvm/ADT/DenseMap.h>
@@ -13,8 +14,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-
-#include <sodium.h>
 
 using namespace llvm;
 
@@ -435,19 +434,7 @@ std::string canonicalBytes(const Graph &g, bool skeleton) {
   return std::move(w.buf);
 }
 
-Hash256 blake2b256(StringRef bytes) {
-  static_assert(crypto_generichash_BYTES == 32, "BLAKE2b-256");
-  static const bool ready = sodium_init() >= 0; // picks the CPU's fastest BLAKE2b once
-  if (!ready)
-    report_fatal_error("libsodium cannot start");
-  unsigned char digest[32];
-  crypto_generichash(digest, sizeof digest, reinterpret_cast<const unsigned char *>(bytes.data()),
-                     bytes.size(), nullptr, 0);
-  Hash256 h;
-  for (size_t k = 0; k < 4; ++k)
-    h.w[k] = support::endian::read64le(digest + 8 * k);
-  return h;
-}
+Hash256 blake2b256(StringRef bytes) { return digestOf(bytes.data(), bytes.size()); }
 } // namespace
 
 std::string canonicalBytes(const Graph &g) { return canonicalBytes(g, false); }

@@ -170,6 +170,11 @@ struct Upload {
   device @5 :UInt8;      # rgpu:device, an index into HelloReply.devices
   encoding @6 :Encoding;
   length @7 :UInt64;     # with bytePlanes, the bytes of the chunk that data decodes to
+  digest @8 :Hash;       # set on an upload of 1 MiB or more: the BLAKE2b-256 of its total bytes.
+                         # The server checks the bytes against it (a mismatch refuses the upload
+                         # and stores nothing) and keeps them in its content store, per principal
+  stored @9 :Bool;       # with digest, and no data: the bytes are those the principal's store
+                         # holds under the digest (Command.hasContent said it does)
 
   enum Encoding {
     raw @0;              # data is the chunk's bytes
@@ -208,7 +213,93 @@ struct Command {
                          # session's earlier frames is cancelled (see Run.restores). Its frame
                          # has the header flag net::kFlagCancel, so the server's I/O loop sees
                          # it as it arrives, while earlier frames still run
+    hasContent @17 :List(Hash); # answered with `present`: which of these digests the content
+                                # store holds for this session's principal (at most 4096)
+    file @18 :FileRequest; # the server's files area (--files-dir)
   }
+}
+
+# The principal's part of the server's files area: `path` is relative to it, with components
+# separated by "/", none of them empty, "." or ".."; a symbolic link, a device or any other file
+# that is not a regular file or a directory is refused wherever it is met. Failures are the
+# session's error, with pythonType FileNotFoundError, FileExistsError, PermissionError,
+# IsADirectoryError, NotADirectoryError or OSError.
+struct FileRequest {
+  path @0 :Text;
+  union {
+    list @1 :Void;          # answered with `files`: a directory's entries, or the file itself
+    read @2 :FileRange;     # answered with `data`: at most Limits.maxReplyDataBytes
+    write @3 :FileWrite;
+    remove @4 :Void;        # a file, or an empty directory
+    tensor @5 :FileTensor;  # binds a handle to a tensor read from the file
+    gather @6 :FileGather;  # binds a handle to rows of the file gathered by an index tensor
+    saveArchive @7 :List(ArchiveRecord); # writes a torch.save archive (a zip) of these records
+    loadArchive @8 :LoadArchive; # reads one: answered with `records`
+  }
+}
+
+struct FileRange {
+  offset @0 :UInt64;
+  length @1 :UInt64;
+}
+
+# Writes go to "PATH.partial" (made, or grown at its end); `commit` renames it to PATH,
+# replacing a file there. An upload that broke off goes on from the partial file's size (`list`).
+struct FileWrite {
+  offset @0 :UInt64;      # must be the partial file's size (0 starts it over)
+  parts @1 :List(FilePart);
+  commit @2 :Bool;
+  digest @3 :Hash;        # with commit, if set: the BLAKE2b-256 the whole file must have
+}
+
+struct FilePart {
+  union {
+    data @0 :Data;
+    tensor @1 :StoredTensor; # a tensor's bytes, in the layout of its meta
+  }
+}
+
+struct StoredTensor {
+  handle @0 :UInt64;
+  meta @1 :TensorMeta;    # the layout its bytes are written in (or read as)
+}
+
+struct FileTensor {
+  handle @0 :UInt64;
+  meta @1 :TensorMeta;    # the tensor: its storage is the file's bytes from offset
+  offset @2 :UInt64;
+  device @3 :UInt8;
+}
+
+# out[i...] = row index[i...] of the file's rows: `rows` rows of `rowSizes` elements of `dtype`
+# from `offset` (rgpu.data.RemoteArray). An index out of range fails with IndexError.
+struct FileGather {
+  handle @0 :UInt64;      # the output: index.sizes + rowSizes, of dtype
+  index @1 :UInt64;       # an int64 tensor of the session
+  dtype @2 :Int8;
+  rowSizes @3 :List(Int64);
+  rows @4 :UInt64;
+  offset @5 :UInt64;
+  device @6 :UInt8;
+}
+
+struct ArchiveRecord {
+  name @0 :Text;          # "data.pkl", "data/0", ... as torch.save names them
+  union {
+    data @1 :Data;
+    tensor @2 :StoredTensor;
+  }
+}
+
+struct LoadArchive {
+  firstHandle @0 :UInt64; # the archive's k-th storage record binds firstHandle + k (a uint8
+  device @1 :UInt8;       # tensor on rgpu:device); at most 65536 of them
+}
+
+struct FileEntry {
+  name @0 :Text;
+  size @1 :UInt64;
+  directory @2 :Bool;
 }
 
 # torch.Generator(device="rgpu"): a generator of this session that random ops given it as
@@ -339,6 +430,10 @@ struct Result {
     memory @5 :DeviceMemory;       # a MemoryRequest
     text @6 :Text;                 # a HostStore's address, a JoinGroup's group name
     rngState @7 :RngState;         # a RngStateRequest
+    present @8 :List(Bool);        # a HasContent
+    files @9 :List(FileEntry);     # a FileRequest's list
+    records @10 :List(ArchiveRecord); # a FileRequest's loadArchive: every record that is not a
+                                   # storage with its data, every storage with its tensor
   }
 }
 
@@ -387,6 +482,11 @@ struct ServerStats {
   compileNs @24 :UInt64;           # every compile that ended, start to package loaded, summed
   cudaGraphReplays @25 :UInt64;    # compiled runs replayed as CUDA graphs
   cudaGraphCaptures @26 :UInt64;
+  uploadBytesDeduplicated @27 :UInt64; # upload bytes the content store supplied, all sessions
+  storeBytes @28 :UInt64;          # bytes in the content store, every principal's
+  storeEvictions @29 :UInt64;      # entries it dropped to stay under --store-size
+  filesBytes @30 :UInt64;          # bytes in the asking principal's files area
+  filesQuota @31 :UInt64;          # --files-quota; 0: no files area
 }
 
 struct SessionStats {
@@ -409,8 +509,8 @@ struct SessionStats {
 struct ServerFrame {
   ackSeq @0 :UInt64;
   results @1 :List(Result);    # one per Hello, Download, Sync, Stats, MemoryRequest,
-                               # RngStateRequest, HostStore, JoinGroup and replyMetas Run, in
-                               # order
+                               # RngStateRequest, HostStore, JoinGroup, replyMetas Run,
+                               # HasContent and FileRequest list, read and loadArchive, in order
   error @2 :Error;             # the first error since the last reply; absent if none
   notes @3 :List(Text);        # what the server wants the user to know (compiles); logged
   challenge @4 :Challenge;     # only in the first frame of a TCP connection

@@ -31,6 +31,7 @@ __all__ = [
     "metrics_report",
     "on_ready",
     "prefetch",
+    "remote",
     "reset",
     "server_stats",
     "set_dynamic",
@@ -451,6 +452,9 @@ _compile_rgpu_tensors_on_the_server()
 
 from . import _frameworks, _fused, _inplace, _nested, _rng, _transfer  # noqa: E402
 from . import backend  # noqa: E402,F401  (dynamo's fake tensors take rgpu parameters as they are)
+
+from . import data  # noqa: E402,F401  (rgpu.data.RemoteArray)
+from .remote import remote  # noqa: E402
 
 _transfer.install()
 _frameworks.install()

@@ -34,6 +34,8 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import tempfile
+import threading
 
 import torch
 
@@ -203,13 +205,121 @@ def _fetching_together(fn, tensors_of):
     return wrapper
 
 
-def _group_safetensors_saves(module):
+def _patch_safetensors(module):
+    """safetensors' save and save_file fetch their rgpu tensors in one round trip; save_file
+    and load_file take remote paths (rgpu.remote), and files that save_pretrained writes into
+    a remote directory go there."""
     def values(tensors=None, *args, **kwargs):
         return list(tensors.values()) if isinstance(tensors, dict) else []
 
-    for name in ("save", "save_file"):
-        if callable(getattr(module, name, None)):
-            setattr(module, name, _fetching_together(getattr(module, name), values))
+    if callable(getattr(module, "save", None)):
+        module.save = _fetching_together(module.save, values)
+    save_file, load_file = getattr(module, "save_file", None), getattr(module, "load_file", None)
+    if callable(save_file) and not getattr(save_file, "_rgpu", False):
+        grouped = _fetching_together(save_file, values)
+
+        @functools.wraps(save_file)
+        def save_file_(tensors, filename, metadata=None):
+            where = _remote_target(filename)
+            if where is not None:
+                from .remote import save_safetensors
+
+                return save_safetensors(tensors, where, metadata)
+            return grouped(tensors, filename, metadata)
+
+        save_file_._rgpu = True
+        module.save_file = save_file_
+    if callable(load_file) and not getattr(load_file, "_rgpu", False):
+        @functools.wraps(load_file)
+        def load_file_(filename, device="cpu"):
+            from .remote import RemotePath, load_safetensors
+
+            if isinstance(filename, RemotePath):
+                return load_safetensors(filename, device if device != "cpu" else None)
+            return load_file(filename, device)
+
+        load_file_._rgpu = True
+        module.load_file = load_file_
+
+
+_redirect = threading.local()
+
+
+def _remote_target(filename):
+    """The remote path a save to `filename` goes to: filename itself, or a file in the local
+    directory that save_pretrained of a remote directory writes into."""
+    from .remote import RemotePath
+
+    if isinstance(filename, RemotePath):
+        return filename
+    into = getattr(_redirect, "into", None)
+    if into is None or not isinstance(filename, (str, os.PathLike)):
+        return None
+    local, remote = into
+    rel = os.path.relpath(os.path.abspath(os.fspath(filename)), local)
+    return None if rel.startswith("..") else remote / rel.replace(os.sep, "/")
+
+
+def _patch_pretrained(module):
+    """transformers.modeling_utils: save_pretrained and from_pretrained of a remote directory."""
+    cls = getattr(module, "PreTrainedModel", None)
+    if cls is None or getattr(cls.save_pretrained, "_rgpu", False):
+        return
+    save_pretrained, from_pretrained = cls.save_pretrained, cls.from_pretrained.__func__
+
+    @functools.wraps(save_pretrained)
+    def save_pretrained_(self, save_directory, *args, **kwargs):
+        from .remote import RemotePath
+
+        if not isinstance(save_directory, RemotePath):
+            return save_pretrained(self, save_directory, *args, **kwargs)
+        # Written here, but for the weights, which go from the server's tensors to the remote
+        # directory (safetensors' save_file, above); then the small files follow them.
+        with tempfile.TemporaryDirectory() as local:
+            _redirect.into = (os.path.abspath(local), save_directory)
+            try:
+                save_pretrained(self, local, *args, **kwargs)
+            finally:
+                _redirect.into = None
+            for root, _, files in os.walk(local):
+                for name in files:
+                    rel = os.path.relpath(os.path.join(root, name), local).replace(os.sep, "/")
+                    with open(os.path.join(root, name), "rb") as f:
+                        (save_directory / rel).write_bytes(f.read())
+
+    @functools.wraps(from_pretrained)
+    def from_pretrained_(cls, pretrained, *args, **kwargs):
+        from .remote import RemotePath, load_pretrained
+
+        if not isinstance(pretrained, RemotePath):
+            return from_pretrained(cls, pretrained, *args, **kwargs)
+        return load_pretrained(cls, pretrained, *args, **kwargs)
+
+    save_pretrained_._rgpu = from_pretrained_._rgpu = True
+    cls.save_pretrained = save_pretrained_
+    cls.from_pretrained = classmethod(from_pretrained_)
+
+
+def _patch_auto_models(module):
+    """transformers' Auto classes: from_pretrained of a remote directory picks the model class
+    from its config.json, whose class then loads it (_patch_pretrained)."""
+    cls = getattr(module, "_BaseAutoModelClass", None)
+    if cls is None or getattr(cls.from_pretrained, "_rgpu", False):
+        return
+    from_pretrained = cls.from_pretrained.__func__
+
+    @functools.wraps(from_pretrained)
+    def from_pretrained_(cls, pretrained, *args, **kwargs):
+        from .remote import RemotePath, remote_config
+
+        if not isinstance(pretrained, RemotePath):
+            return from_pretrained(cls, pretrained, *args, **kwargs)
+        config = kwargs.pop("config", None) or remote_config(pretrained)
+        model_class = module._get_model_class(config, cls._model_mapping)
+        return model_class.from_pretrained(pretrained, *args, config=config, **kwargs)
+
+    from_pretrained_._rgpu = True
+    cls.from_pretrained = classmethod(from_pretrained_)
 
 
 def _after_import(name, patch):
@@ -222,7 +332,9 @@ def _after_import(name, patch):
 def install():
     _after_import("transformers.training_args", _patch_training_arguments)
     # Before transformers.modeling_utils binds safetensors' save_file by name.
-    _after_import("safetensors.torch", _group_safetensors_saves)
+    _after_import("safetensors.torch", _patch_safetensors)
+    _after_import("transformers.modeling_utils", _patch_pretrained)
+    _after_import("transformers.models.auto.auto_factory", _patch_auto_models)
     for package in ("lightning.pytorch", "pytorch_lightning"):
         _after_import(package + ".accelerators", _register_lightning_accelerator)
         _after_import(package + ".trainer.connectors.accelerator_connector", _lightning_picks_rgpu)

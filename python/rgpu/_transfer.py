@@ -162,9 +162,36 @@ def _apply_once(module, move, recurse):
 _original_reduce = torch.Tensor._reduce_ex_internal
 
 
+@contextlib.contextmanager
+def saving_remote(stand_ins, location):
+    """torch.save to a remote path (rgpu.remote): each rgpu tensor is pickled as a CPU stand-in
+    whose storage is never touched (`stand_ins` maps it to the tensor), tagged with the server
+    device `location(device)` names."""
+    outer = getattr(_state, "remote", None), getattr(_state, "tags", None)
+    _state.remote, _state.tags = (stand_ins, location), {}
+    _state.saving = getattr(_state, "saving", 0) + 1
+    try:
+        yield
+    finally:
+        _state.saving -= 1
+        _state.remote, _state.tags = outer
+
+
 def _reduce_ex_internal(self, proto):
     if self.device.type != "rgpu":
         return _original_reduce(self, proto)
+    remote = getattr(_state, "remote", None)
+    if remote is not None:
+        from .remote import _remote_tensor
+
+        stand_ins, location = remote
+        t = _remote_tensor(self.detach())
+        stand_in = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+        stand_in.requires_grad_(self.requires_grad)
+        key = stand_in.untyped_storage()._cdata
+        stand_ins[key] = t
+        _state.tags[key] = (location(self.device), stand_in)
+        return _original_reduce(stand_in, proto)
     if torch.serialization._serialization_tls.skip_data:
         raise RuntimeError("rgpu tensors cannot be saved under torch.serialization.skip_data: "
                            "their data lives on the server")
@@ -213,14 +240,19 @@ _original_save = torch.save
 
 
 @functools.wraps(_original_save)
-def _save(obj, *args, **kwargs):
+def _save(obj, f, *args, **kwargs):
+    from .remote import RemotePath, save as save_remote
+
+    if isinstance(f, RemotePath):
+        return save_remote(obj, f, *args[:1], **{k: v for k, v in kwargs.items()
+                                                 if k in ("pickle_module", "pickle_protocol")})
     outermost = not getattr(_state, "saving", 0)
     if outermost:
         _state.tags = {}  # storage -> (device, the fetched tensor that keeps it alive)
     _state.saving = getattr(_state, "saving", 0) + 1
     try:
         with downloads_together(_tensors_in(obj)):
-            return _original_save(obj, *args, **kwargs)
+            return _original_save(obj, f, *args, **kwargs)
     finally:
         _state.saving -= 1
         if outermost:
@@ -245,45 +277,71 @@ def _storage_key(t):
     return s.data_ptr(), s.nbytes(), t.dtype
 
 
-def _to_device(obj, everything, targets, bases, uses, depth=0):
-    """`obj` with each CPU tensor whose storage `targets` maps to an rgpu device moved there;
-    tensors of one storage become views of one upload of it. `everything`: the device that a
-    single map_location sends all tensors to (rgpu tensors and modules included), or None."""
-    if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-        storage = obj.untyped_storage()
-        device = targets.get(storage.data_ptr())
-        if device is None:
+def map_tensors(obj, fn, depth=0):
+    """`obj` with each tensor `t` for which `fn(t)` is not None replaced by that (a Parameter by
+    a Parameter, with requires_grad kept), in dicts, lists and tuples; a module's tensors are
+    replaced in place."""
+    if isinstance(obj, torch.Tensor):
+        new = fn(obj)
+        if new is None:
             return obj
-        key = _storage_key(obj)
-        whole = obj.storage_offset() == 0 and obj.is_contiguous() and \
-            obj.numel() * obj.element_size() == storage.nbytes()
-        if uses[key] == 1 and whole:
-            moved = obj.detach().to(device)
-        else:
-            if key not in bases:
-                flat = torch.empty(0, dtype=obj.dtype).set_(
-                    storage, 0, (storage.nbytes() // obj.element_size(),), (1,))
-                bases[key] = flat.to(device)
-            moved = bases[key].as_strided(obj.size(), obj.stride(), obj.storage_offset())
         if isinstance(obj, torch.nn.Parameter):
-            return torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
-        return moved.requires_grad_() if obj.requires_grad else moved
-    if isinstance(obj, (torch.Tensor, torch.nn.Module)):
-        return obj.to(everything) if everything is not None else obj
+            return torch.nn.Parameter(new, requires_grad=obj.requires_grad)
+        return new.requires_grad_() if obj.requires_grad and not new.requires_grad else new
+    if isinstance(obj, torch.nn.Module):
+        results = {id(t): (t, fn(t)) for t in _module_tensors(obj)}
+        if all(new is None for _, new in results.values()):
+            return obj
+        return obj._apply(lambda t: _either(results.get(id(t), (None, None))[1], t))
     if depth < 8 and isinstance(obj, dict):
         out = type(obj)() if type(obj) in (dict, collections.OrderedDict) else {}
         for k, v in obj.items():
-            out[k] = _to_device(v, everything, targets, bases, uses, depth + 1)
+            out[k] = map_tensors(v, fn, depth + 1)
         if hasattr(obj, "_metadata"):  # a state_dict's module versions
             out._metadata = obj._metadata
         return out
     if depth < 8 and isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_device(v, everything, targets, bases, uses, depth + 1) for v in obj)
+        return type(obj)(map_tensors(v, fn, depth + 1) for v in obj)
     return obj
+
+
+def _either(new, old):
+    return old if new is None else new
+
+
+def _to_device(obj, everything, targets, uses):
+    """`obj` with each CPU tensor whose storage `targets` maps to an rgpu device moved there;
+    tensors of one storage become views of one upload of it. `everything`: the device that a
+    single map_location sends all tensors to (rgpu tensors and modules included), or None."""
+    bases = {}
+
+    def convert(t):
+        if t.device.type != "cpu":
+            return t.detach().to(everything) if everything is not None else None
+        storage = t.untyped_storage()
+        device = targets.get(storage.data_ptr())
+        if device is None:
+            return None
+        key = _storage_key(t)
+        whole = t.storage_offset() == 0 and t.is_contiguous() and \
+            t.numel() * t.element_size() == storage.nbytes()
+        if uses[key] == 1 and whole:
+            return t.detach().to(device)
+        if key not in bases:
+            flat = torch.empty(0, dtype=t.dtype).set_(
+                storage, 0, (storage.nbytes() // t.element_size(),), (1,))
+            bases[key] = flat.to(device)
+        return bases[key].as_strided(t.size(), t.stride(), t.storage_offset())
+
+    return map_tensors(obj, convert)
 
 
 @functools.wraps(_original_load)
 def _load(f, map_location=None, *args, **kwargs):
+    from .remote import RemotePath, load as load_remote
+
+    if isinstance(f, RemotePath):
+        return load_remote(f, map_location, *args, **kwargs)
     everything = _rgpu_target(map_location) if isinstance(map_location, (str, torch.device)) \
         else None
     mapped = isinstance(map_location, dict) and any(map(_rgpu_target, map_location.values()))
@@ -302,7 +360,7 @@ def _load(f, map_location=None, *args, **kwargs):
         return obj
     uses = collections.Counter(_storage_key(t) for t in _tensors_in(obj) if t.device.type == "cpu")
     with torch.no_grad():
-        return _to_device(obj, everything, targets, {}, uses)
+        return _to_device(obj, everything, targets, uses)
 
 
 _original_deepcopy = torch.Tensor.__deepcopy__

@@ -452,6 +452,7 @@ PYBIND11_MODULE(_C, m) {
     d["cuts_replayed"] = s.cutsReplayed.load();
     d["reads_remembered"] = s.readsRemembered.load();
     d["upload_bytes_saved"] = s.uploadBytesSaved.load();
+    d["upload_bytes_deduplicated"] = s.uploadBytesDeduplicated.load();
     d["throttled"] = s.throttled.load();
     d["throttled_ms"] = s.throttledNs.load() / 1e6;
     d["reconnects"] = Session::get().reconnects();
@@ -577,6 +578,83 @@ PYBIND11_MODULE(_C, m) {
   m.def("download_together",
         [](std::vector<at::Tensor> tensors) { Session::get().downloadTogether(std::move(tensors)); },
         "The first download of any of these tensors fetches them all in one frame; [] ends it.");
+  // The server's files area (python/rgpu/remote.py). A part is bytes or an rgpu tensor.
+  auto parts = [](const std::vector<py::object> &objects, bool named) {
+    std::vector<Session::FilePart> out;
+    for (const py::object &o : objects) {
+      Session::FilePart p;
+      py::object value = o;
+      if (named) {
+        auto pair = o.cast<py::tuple>();
+        p.name = pair[0].cast<std::string>();
+        value = pair[1];
+      }
+      if (THPVariable_Check(value.ptr()))
+        p.tensor = THPVariable_Unpack(value.ptr());
+      else
+        p.data = value.cast<std::string>();
+      out.push_back(std::move(p));
+    }
+    return out;
+  };
+  m.def("files_list", [](const std::string &path) {
+    std::vector<rgpu::client::FileEntry> entries;
+    {
+      py::gil_scoped_release release;
+      entries = Session::get().listFiles(path);
+    }
+    py::list out;
+    for (const auto &e : entries)
+      out.append(py::make_tuple(e.name, e.size, e.directory));
+    return out;
+  });
+  m.def("files_read", [](const std::string &path, uint64_t offset, uint64_t length) {
+    std::string bytes;
+    {
+      py::gil_scoped_release release;
+      bytes = Session::get().readFile(path, offset, length);
+    }
+    return py::bytes(bytes);
+  });
+  m.def("files_write", [parts](const std::string &path, uint64_t offset,
+                               const std::vector<py::object> &objects, bool commit,
+                               const std::string &digest) {
+    std::vector<Session::FilePart> ps = parts(objects, false);
+    py::gil_scoped_release release;
+    Session::get().writeFile(path, offset, ps, commit, digest);
+  });
+  m.def("files_remove", [](const std::string &path) { Session::get().removeFile(path); },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("files_save_archive", [parts](const std::string &path,
+                                      const std::vector<py::object> &records) {
+    std::vector<Session::FilePart> ps = parts(records, true);
+    py::gil_scoped_release release;
+    Session::get().saveArchive(path, ps);
+  });
+  m.def("files_load_archive", [](const std::string &path, int device) {
+    std::vector<Session::FilePart> records;
+    {
+      py::gil_scoped_release release;
+      records = Session::get().loadArchive(path, device);
+    }
+    py::list out;
+    for (auto &r : records) {
+      if (r.tensor.defined())
+        out.append(py::make_tuple(r.name, py::reinterpret_steal<py::object>(THPVariable_Wrap(r.tensor))));
+      else
+        out.append(py::make_tuple(r.name, py::bytes(r.data)));
+    }
+    return out;
+  });
+  m.def("files_tensor", [](const std::string &path, uint64_t offset, at::ScalarType dtype,
+                           std::vector<int64_t> sizes, std::vector<int64_t> strides, int device) {
+    return Session::get().fileTensor(path, offset, dtype, sizes, strides, device);
+  }, py::call_guard<py::gil_scoped_release>());
+  m.def("files_gather", [](const std::string &path, uint64_t offset, at::ScalarType dtype,
+                           uint64_t rows, std::vector<int64_t> rowSizes, const at::Tensor &index,
+                           int device) {
+    return Session::get().gatherFile(path, offset, dtype, rows, rowSizes, index, device);
+  }, py::call_guard<py::gil_scoped_release>());
   m.def("is_pending", [](const at::Tensor &t) {
     LazyTensorImpl *impl = lazyImpl(t);
     return impl && impl->value.pending();

@@ -42,4 +42,19 @@ struct RngState {
   uint64_t initialSeed = 0;
 };
 
+/// An entry of the server's files area.
+struct FileEntry {
+  std::string name;
+  uint64_t size = 0;
+  bool directory = false;
+};
+
+/// A record of a torch.save archive the server read: its bytes, or (a storage) the handle the
+/// server bound to its bytes, a uint8 tensor of \p size.
+struct ArchiveRecord {
+  std::string name, data;
+  uint64_t handle = 0; ///< 0: not a storage
+  uint64_t size = 0;
+};
+
 } // namespace rgpu::client

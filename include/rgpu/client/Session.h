@@ -27,7 +27,7 @@ struct Stats {
   std::atomic<uint64_t> messages{0}, waits{0}, bytesOut{0}, bytesIn{0}, graphsShipped{0},
       graphRuns{0}, opsTraced{0}, uploads{0}, downloads{0}, graphsForgotten{0},
       graphsGeneralized{0}, symbolicRuns{0}, cutsReplayed{0}, throttled{0}, throttledNs{0},
-      readsRemembered{0}, uploadBytesSaved{0};
+      readsRemembered{0}, uploadBytesSaved{0}, uploadBytesDeduplicated{0};
 };
 
 /// Returns the id of the user's current source line (Session::currentLocation); set by Python.
@@ -165,6 +165,36 @@ public:
   void restoreRng(int device, uint64_t id);
   /// The server drops generator \p id after the runs that may still use it. Never throws.
   void dropGenerator(uint64_t id) noexcept;
+
+  /// The server's files area (rgpu.remote; lib/client/RemoteFiles.cpp). A part of a file or a
+  /// record of a torch.save archive: \p data, or, if \p tensor is defined, an rgpu tensor's
+  /// bytes in its own layout. Requests that answer or write wait for the server, and raise its
+  /// error (FileNotFoundError and the like); those that make a tensor do not wait, and a
+  /// failure is that tensor's error.
+  struct FilePart {
+    std::string name, data;
+    at::Tensor tensor;
+  };
+  std::vector<FileEntry> listFiles(const std::string &path);
+  std::string readFile(const std::string &path, uint64_t offset, uint64_t length);
+  /// Appends \p parts to PATH.partial from \p offset (its size); \p commit renames it to
+  /// PATH, after checking \p digest (64 hex digits) if one is given.
+  void writeFile(const std::string &path, uint64_t offset, const std::vector<FilePart> &parts,
+                 bool commit, const std::string &digest);
+  void removeFile(const std::string &path);
+  /// Writes a torch.save archive of \p records (named as torch.save names them).
+  void saveArchive(const std::string &path, const std::vector<FilePart> &records);
+  /// Reads one: its storages come as uint8 tensors on rgpu:\p device, the rest as bytes.
+  std::vector<FilePart> loadArchive(const std::string &path, int device);
+  /// The tensor of \p dtype, \p sizes and \p strides whose storage is the file's bytes from
+  /// \p offset.
+  at::Tensor fileTensor(const std::string &path, uint64_t offset, at::ScalarType dtype,
+                        at::IntArrayRef sizes, at::IntArrayRef strides, int device);
+  /// Rows \p index (an integer rgpu tensor) of the file's \p rows rows of \p rowSizes elements
+  /// of \p dtype from \p offset: index.sizes() + rowSizes.
+  at::Tensor gatherFile(const std::string &path, uint64_t offset, at::ScalarType dtype,
+                        uint64_t rows, at::IntArrayRef rowSizes, const at::Tensor &index,
+                        int device);
 
   /// After a lost connection every call raises SessionLost.
   bool lost() const;

@@ -18,7 +18,7 @@
 namespace rgpu::wire {
 
 /// Wire protocol version; bumped on any incompatible schema change.
-constexpr uint32_t kProtocolVersion = 12;
+constexpr uint32_t kProtocolVersion = 13;
 /// The most devices one server has (rgpu-opserver --devices).
 constexpr int kMaxDevices = 64;
 
