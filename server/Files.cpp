@@ -144,7 +144,9 @@ std::pair<Fd, std::string> FilesArea::parent(const std::string &principal,
       if (mode_t kind = kindOf(dir.get(), c); kind && kind != S_IFDIR)
         kind == S_IFREG ? fail(path, "'" + c + "' is a file, not a directory", ENOTDIR)
                         : refuseKind(path, kind);
-      fail(path, "cannot open directory '" + c + "'", err);
+      fail(path, err == ENOENT ? "directory '" + c + "' does not exist"
+                               : "cannot open directory '" + c + "'",
+           err);
     }
     dir = std::move(next);
   }
@@ -203,7 +205,7 @@ std::pair<Fd, uint64_t> FilesArea::open(const std::string &principal, const std:
     const int err = errno;
     if (mode_t kind = kindOf(dir.get(), leaf); kind && kind != S_IFREG && kind != S_IFDIR)
       refuseKind(path, kind);
-    fail(path, "cannot be opened", err);
+    fail(path, err == ENOENT ? "does not exist" : "cannot be opened", err);
   }
   struct stat st;
   if (::fstat(fd.get(), &st) != 0)
@@ -268,7 +270,7 @@ std::unique_ptr<FilesArea::Writer> FilesArea::write(const std::string &principal
     fail(path, "is a directory", EISDIR);
   const std::string partial = leaf + ".partial";
   Fd fd(::openat(dir.get(), partial.c_str(),
-                 O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | (offset == 0 ? O_CREAT : 0), 0600));
+                 O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | (offset == 0 ? O_CREAT : 0), 0600));
   if (fd.get() < 0) {
     const int err = errno;
     if (mode_t kind = kindOf(dir.get(), partial); kind && kind != S_IFREG)

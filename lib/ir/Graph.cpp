@@ -167,19 +167,28 @@ bool sameStructure(const Graph &a, const Graph &b) {
 }
 
 std::string Hash256::hex() const {
-  char buf[65];
-  snprintf(buf, sizeof buf, "%016llx%016llx%016llx%016llx", (unsigned long long)w[0],
-           (unsigned long long)w[1], (unsigned long long)w[2], (unsigned long long)w[3]);
-  return buf;
+  static const char digits[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(64);
+  for (uint64_t word : w)
+    for (size_t b = 0; b < 8; ++b) { // the digest's bytes in order, as b2sum prints them
+      const unsigned byte = (word >> (8 * b)) & 0xff;
+      out += digits[byte >> 4];
+      out += digits[byte & 15];
+    }
+  return out;
 }
 
 bool Hash256::parse(StringRef text, Hash256 &out) {
   if (text.size() != 64)
     return false;
   Hash256 h;
-  for (size_t k = 0; k < 4; ++k)
-    if (text.substr(16 * k, 16).getAsInteger(16, h.w[k]))
+  for (size_t k = 0; k < 32; ++k) {
+    unsigned byte = 0;
+    if (text.substr(2 * k, 2).getAsInteger(16, byte))
       return false;
+    h.w[k / 8] |= uint64_t(byte) << (8 * (k % 8));
+  }
   out = h;
   return true;
 }

@@ -55,7 +55,11 @@ def _remote_errors():
     """Per Python exception the server may name, RemoteError's subclass that is also one."""
     bases = {"IndexError": IndexError, "ValueError": ValueError, "TypeError": TypeError,
              "NotImplementedError": NotImplementedError,
-             "LinAlgError": torch.linalg.LinAlgError, "OutOfMemoryError": torch.OutOfMemoryError}
+             "LinAlgError": torch.linalg.LinAlgError, "OutOfMemoryError": torch.OutOfMemoryError,
+             # the server's files area (rgpu.remote)
+             "FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError,
+             "PermissionError": PermissionError, "IsADirectoryError": IsADirectoryError,
+             "NotADirectoryError": NotADirectoryError, "OSError": OSError}
     return {name: type(f"Remote{name}", (RemoteError, base),
                        {"__module__": __name__, "__doc__": f"A RemoteError that CPU eager "
                                                            f"raises as {base.__name__}."})

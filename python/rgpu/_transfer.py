@@ -277,17 +277,23 @@ def _storage_key(t):
     return s.data_ptr(), s.nbytes(), t.dtype
 
 
-def map_tensors(obj, fn, depth=0):
+def map_tensors(obj, fn, depth=0, memo=None):
     """`obj` with each tensor `t` for which `fn(t)` is not None replaced by that (a Parameter by
     a Parameter, with requires_grad kept), in dicts, lists and tuples; a module's tensors are
-    replaced in place."""
+    replaced in place. A tensor met twice (tied weights) is replaced by one tensor."""
+    memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
+        if id(obj) in memo:
+            return memo[id(obj)][1]
         new = fn(obj)
         if new is None:
-            return obj
-        if isinstance(obj, torch.nn.Parameter):
-            return torch.nn.Parameter(new, requires_grad=obj.requires_grad)
-        return new.requires_grad_() if obj.requires_grad and not new.requires_grad else new
+            new = obj
+        elif isinstance(obj, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=obj.requires_grad)
+        elif obj.requires_grad and not new.requires_grad:
+            new = new.requires_grad_()
+        memo[id(obj)] = (obj, new)  # holds obj, so that its id is not reused meanwhile
+        return new
     if isinstance(obj, torch.nn.Module):
         results = {id(t): (t, fn(t)) for t in _module_tensors(obj)}
         if all(new is None for _, new in results.values()):
@@ -296,12 +302,12 @@ def map_tensors(obj, fn, depth=0):
     if depth < 8 and isinstance(obj, dict):
         out = type(obj)() if type(obj) in (dict, collections.OrderedDict) else {}
         for k, v in obj.items():
-            out[k] = map_tensors(v, fn, depth + 1)
+            out[k] = map_tensors(v, fn, depth + 1, memo)
         if hasattr(obj, "_metadata"):  # a state_dict's module versions
             out._metadata = obj._metadata
         return out
     if depth < 8 and isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(map_tensors(v, fn, depth + 1) for v in obj)
+        return type(obj)(map_tensors(v, fn, depth + 1, memo) for v in obj)
     return obj
 
 

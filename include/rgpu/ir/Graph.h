@@ -150,7 +150,7 @@ struct Hash256 {
   bool operator==(const Hash256 &o) const { return w == o.w; }
   bool operator!=(const Hash256 &o) const { return w != o.w; }
   bool operator<(const Hash256 &o) const { return w < o.w; }
-  /// 64 lowercase hex digits.
+  /// 64 lowercase hex digits: the digest's bytes in order (as b2sum -l 256 prints a file's).
   std::string hex() const;
   /// Parses 64 hex digits; false if malformed.
   static bool parse(llvm::StringRef text, Hash256 &out);

@@ -3,6 +3,7 @@
 // and a well-behaved session alongside it keeps computing.
 #include "Rendezvous.h"
 
+#include "rgpu/ir/Digest.h"
 #include "rgpu/net/Frame.h"
 #include "rgpu/wire/Planes.h"
 #include "rgpu/wire/Wire.h"
@@ -14,6 +15,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -22,6 +24,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -32,14 +35,18 @@ namespace {
 
 struct ServerProcess {
   pid_t pid = -1;
-  std::string socket;
+  std::string dir, socket;
+  std::string files; ///< its --files-dir (16 MiB a principal)
 
   ServerProcess() {
-    char dir[] = "/tmp/rgpu-fault-XXXXXX";
+    char tmp[] = "/tmp/rgpu-fault-XXXXXX";
     int fds[2];
-    if (!mkdtemp(dir) || pipe(fds) != 0)
+    if (!mkdtemp(tmp) || pipe(fds) != 0)
       return;
-    socket = std::string(dir) + "/opserver.sock";
+    dir = tmp;
+    socket = dir + "/opserver.sock";
+    files = dir + "/files";
+    const std::string cache = dir + "/cache";
     pid = fork();
     if (pid == 0) {
       dup2(fds[1], 2);
@@ -48,7 +55,8 @@ struct ServerProcess {
       dup2(null, 1);
       execl(RGPU_OPSERVER_PATH, RGPU_OPSERVER_PATH, "--device", "cpu", "--socket",
             socket.c_str(), "--max-frame-mib", "1024", "--frame-timeout", "2",
-            "--session-memory", "256MiB", nullptr);
+            "--session-memory", "256MiB", "--files-dir", files.c_str(), "--files-quota",
+            "16MiB", "--cache-dir", cache.c_str(), "--store-size", "16MiB", nullptr);
       _exit(127);
     }
     close(fds[1]);
@@ -72,8 +80,8 @@ struct ServerProcess {
     if (pid > 0) {
       kill(pid, SIGKILL);
       waitpid(pid, nullptr, 0);
-      unlink(socket.c_str());
-      rmdir(socket.substr(0, socket.rfind('/')).c_str());
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
     }
   }
   bool alive() const { return pid > 0 && waitpid(pid, nullptr, WNOHANG) == 0; }
@@ -1732,5 +1740,245 @@ TEST(Faults, EachSessionHostsOneStoreAndTheServerABoundedNumber) {
   EXPECT_NE(again.find('#'), std::string::npos) << again;
   for (auto &peer : hosts)
     peer->send(false, 1, [](auto cmds) { cmds[0].setBye(); });
+  expectGoodSessionUnaffected();
+}
+
+namespace {
+/// The error of a reply, and the Python exception it names.
+std::pair<std::string, std::string> errorAndType(const net::Frame &reply) {
+  auto r = net::openFrame(reply, wire::Limits());
+  auto sf = r->getRoot<wire::ServerFrame>();
+  if (!sf.hasError())
+    return {"", ""};
+  return {sf.getError().getMessage(), sf.getError().getPythonType()};
+}
+
+/// HasContent's answer in a reply.
+std::vector<bool> presentOf(const net::Frame &reply) {
+  auto r = net::openFrame(reply, wire::Limits());
+  std::vector<bool> out;
+  for (auto result : r->getRoot<wire::ServerFrame>().getResults())
+    if (result.isPresent())
+      for (bool p : result.getPresent())
+        out.push_back(p);
+  return out;
+}
+
+/// A request of the files area for \p path, filled by \p fill.
+template <typename Fill>
+std::optional<net::Frame> fileRequest(Peer &peer, const std::string &path, Fill fill) {
+  return peer.send(true, 1, [&](auto cmds) {
+    auto f = cmds[0].initFile();
+    f.setPath(path);
+    fill(f);
+  });
+}
+} // namespace
+
+TEST(Faults, UploadsNamedByTheirDigestAreCheckedBeforeAnythingIsStored) {
+  Beside beside;
+  Peer bad;
+  bad.hello();
+  std::vector<float> values(1 << 18); // 1 MiB
+  for (size_t i = 0; i < values.size(); ++i)
+    values[i] = float(i % 977);
+  const uint64_t size = values.size() * sizeof(float);
+  auto bytes = kj::arrayPtr(reinterpret_cast<const kj::byte *>(values.data()), size);
+  const ir::TensorMeta meta = ir::TensorMeta::contiguous(ir::dtype::Float, {int64_t(values.size())});
+  const ir::Hash256 real = ir::digestOf(values.data(), size);
+  ir::Hash256 forged = real;
+  forged.w[0] ^= 1;
+  auto upload = [&](uint64_t handle, const ir::Hash256 &digest, bool stored) {
+    return bad.send(true, 1, [&](auto cmds) {
+      uploadChunk(cmds[0], handle, meta, size, 0, stored ? kj::ArrayPtr<const kj::byte>() : bytes);
+      auto up = cmds[0].getUpload();
+      wire::encodeHash(digest, up.initDigest());
+      up.setStored(stored);
+    });
+  };
+  auto ask = [&](std::vector<ir::Hash256> digests) {
+    auto reply = bad.send(true, 1, [&](auto cmds) {
+      auto list = cmds[0].initHasContent(digests.size());
+      for (size_t k = 0; k < digests.size(); ++k)
+        wire::encodeHash(digests[k], list[k]);
+    });
+    return reply ? presentOf(*reply) : std::vector<bool>();
+  };
+  // Bytes under a digest that is not theirs: refused, and nothing is stored under either.
+  auto reply = upload(900, forged, false);
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("do not match the digest"), std::string::npos)
+      << Peer::errorOf(*reply);
+  EXPECT_EQ(ask({forged, real}), (std::vector<bool>{false, false}));
+  // Naming a digest the store does not hold binds nothing but an error.
+  reply = upload(901, real, true);
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("holds no"), std::string::npos) << Peer::errorOf(*reply);
+  // The bytes under their own digest are stored, and a stored upload binds those very bytes.
+  reply = upload(902, real, false);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(Peer::errorOf(*reply), "");
+  EXPECT_EQ(ask({real, forged}), (std::vector<bool>{true, false}));
+  reply = upload(903, real, true);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(Peer::errorOf(*reply), "");
+  reply = bad.send(true, 1, [&](auto cmds) {
+    auto down = cmds[0].initDownload();
+    down.setHandle(903);
+    wire::encodeMeta(meta, down.initMeta());
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(dataBytesOf(*reply), size);
+  {
+    auto r = net::openFrame(*reply, wire::Limits());
+    auto data = r->getRoot<wire::ServerFrame>().getResults()[0].getData();
+    EXPECT_EQ(std::memcmp(data.begin(), values.data(), size), 0);
+  }
+  // A stored upload that carries bytes, or comes in a later chunk, is malformed.
+  reply = bad.send(true, 1, [&](auto cmds) {
+    uploadChunk(cmds[0], 904, meta, size, 0, bytes.slice(0, 16));
+    wire::encodeHash(real, cmds[0].getUpload().initDigest());
+    cmds[0].getUpload().setStored(true);
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("a stored upload is one chunk"), std::string::npos)
+      << Peer::errorOf(*reply);
+  // A question of more digests than the limit is an error, and the session goes on.
+  EXPECT_EQ(ask(std::vector<ir::Hash256>(5000, real)), std::vector<bool>());
+  EXPECT_EQ(bad.squareOnServer(), (std::vector<float>{1, 4, 9}));
+  EXPECT_TRUE(beside.finish());
+  expectGoodSessionUnaffected();
+}
+
+TEST(Faults, FilesAreaRequestsThatLeaveItOrPassItsLimitsAreRefusedByName) {
+  Beside beside;
+  Peer bad;
+  bad.hello();
+  // What an operator (or another process) may have left in the area: a link out of it, a
+  // link to a file outside it, a FIFO.
+  const std::string area = opserver().files + "/uid";
+  std::filesystem::create_directories(area);
+  {
+    FILE *secret = fopen((opserver().dir + "/secret").c_str(), "w");
+    fputs("not yours", secret);
+    fclose(secret);
+  }
+  ASSERT_EQ(symlink("/etc", (area + "/etc").c_str()), 0);
+  ASSERT_EQ(symlink((opserver().dir + "/secret").c_str(), (area + "/secret").c_str()), 0);
+  ASSERT_EQ(mkfifo((area + "/fifo").c_str(), 0600), 0);
+  struct Case {
+    std::string path;
+    const char *why, *type;
+  } cases[] = {
+      {"../secret", "'..'", "PermissionError"},
+      {"a/../../secret", "'..'", "PermissionError"},
+      {"/etc/passwd", "absolute", "PermissionError"},
+      {"a//b", "no empty", "PermissionError"},
+      {"./secret", "'.'", "PermissionError"},
+      {"etc/passwd", "symbolic link", "PermissionError"},
+      {"secret", "symbolic link", "PermissionError"},
+      {"fifo", "not a regular file", "PermissionError"},
+      {std::string(2000, 'a'), "more than 1024", "ValueError"},
+      {"nothing/here", "does not exist", "FileNotFoundError"},
+  };
+  for (const Case &c : cases) {
+    auto reply = fileRequest(bad, c.path, [](auto f) {
+      auto r = f.initRead();
+      r.setLength(100);
+    });
+    ASSERT_TRUE(reply) << c.why;
+    auto [error, type] = errorAndType(*reply);
+    EXPECT_NE(error.find(c.why), std::string::npos) << c.path.substr(0, 40) << ": " << error;
+    EXPECT_EQ(type, c.type) << c.why;
+    if (std::string(c.type) == "FileNotFoundError")
+      continue;
+    // A write through the same path is refused too, and leaves nothing.
+    reply = fileRequest(bad, c.path + "/x", [](auto f) {
+      auto w = f.initWrite();
+      w.initParts(1)[0].setData(kj::StringPtr("leak").asBytes());
+      w.setCommit(true);
+    });
+    ASSERT_TRUE(reply);
+    EXPECT_NE(Peer::errorOf(*reply), "") << c.why;
+  }
+  EXPECT_FALSE(std::filesystem::exists(opserver().dir + "/x"));
+  EXPECT_FALSE(std::filesystem::exists("/etc/x"));
+  // The quota: 16 MiB a principal. A write past it keeps nothing.
+  std::vector<kj::byte> mib(1 << 20, 7);
+  auto write = [&](const std::string &path, int mibs) {
+    return fileRequest(bad, path, [&](auto f) {
+      auto w = f.initWrite();
+      auto parts = w.initParts(mibs);
+      for (int k = 0; k < mibs; ++k)
+        parts[k].setData(kj::arrayPtr(mib.data(), mib.size()));
+      w.setCommit(true);
+    });
+  };
+  auto reply = write("ten", 10);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(Peer::errorOf(*reply), "");
+  reply = write("ten-more", 10);
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("quota"), std::string::npos) << Peer::errorOf(*reply);
+  EXPECT_FALSE(std::filesystem::exists(area + "/ten-more"));
+  EXPECT_FALSE(std::filesystem::exists(area + "/ten-more.partial"));
+  // A tensor past the file's end, rows picked past the rows, an archive that is not one.
+  reply = fileRequest(bad, "ten", [](auto f) {
+    auto t = f.initTensor();
+    t.setHandle(950);
+    t.setOffset(9 << 20);
+    wire::encodeMeta(ir::TensorMeta::contiguous(ir::dtype::Float, {1 << 20}), t.initMeta());
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("has 10485760 bytes"), std::string::npos)
+      << Peer::errorOf(*reply);
+  reply = bad.send(true, 2, [&](auto cmds) {
+    float picks[3] = {0, 0, 0};
+    uploadChunk(cmds[0], 951, vec3(), 12, 0,
+                kj::arrayPtr(reinterpret_cast<const kj::byte *>(picks), 12));
+    auto f = cmds[1].initFile();
+    f.setPath("ten");
+    auto g = f.initGather();
+    g.setHandle(952);
+    g.setIndex(951);
+    g.setDtype(ir::dtype::Float);
+    g.setRows(4);
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(errorAndType(*reply).first.find("integer tensor"), std::string::npos)
+      << errorAndType(*reply).first;
+  reply = bad.send(true, 2, [&](auto cmds) {
+    int64_t picks[2] = {1, 4};
+    ir::TensorMeta two = ir::TensorMeta::contiguous(ir::dtype::Long, {2});
+    uploadChunk(cmds[0], 953, two, 16, 0,
+                kj::arrayPtr(reinterpret_cast<const kj::byte *>(picks), 16));
+    auto f = cmds[1].initFile();
+    f.setPath("ten");
+    auto g = f.initGather();
+    g.setHandle(954);
+    g.setIndex(953);
+    g.setDtype(ir::dtype::Float);
+    g.setRows(4);
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(errorAndType(*reply).second, "IndexError") << errorAndType(*reply).first;
+  reply = fileRequest(bad, "ten", [](auto f) {
+    auto g = f.initGather();
+    g.setRows(uint64_t(1) << 40);
+    g.setDtype(ir::dtype::Float);
+    g.initRowSizes(1).set(0, 1 << 20);
+  });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("has 10485760 bytes"), std::string::npos)
+      << Peer::errorOf(*reply);
+  reply = fileRequest(bad, "ten", [](auto f) { f.initLoadArchive().setFirstHandle(960); });
+  ASSERT_TRUE(reply);
+  EXPECT_NE(Peer::errorOf(*reply).find("not a torch.save archive"), std::string::npos)
+      << Peer::errorOf(*reply);
+  reply = fileRequest(bad, "ten", [](auto f) { f.setRemove(); });
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(Peer::errorOf(*reply), "");
+  EXPECT_EQ(bad.squareOnServer(), (std::vector<float>{1, 4, 9}));
+  EXPECT_TRUE(beside.finish());
   expectGoodSessionUnaffected();
 }
