@@ -219,24 +219,24 @@ def _patch_safetensors(module):
         grouped = _fetching_together(save_file, values)
 
         @functools.wraps(save_file)
-        def save_file_(tensors, filename, metadata=None):
+        def save_file_(tensors, filename, metadata=None, *args, **kwargs):
             where = _remote_target(filename)
             if where is not None:
                 from .remote import save_safetensors
 
                 return save_safetensors(tensors, where, metadata)
-            return grouped(tensors, filename, metadata)
+            return grouped(tensors, filename, metadata, *args, **kwargs)
 
         save_file_._rgpu = True
         module.save_file = save_file_
     if callable(load_file) and not getattr(load_file, "_rgpu", False):
         @functools.wraps(load_file)
-        def load_file_(filename, device="cpu"):
+        def load_file_(filename, device="cpu", *args, **kwargs):
             from .remote import RemotePath, load_safetensors
 
             if isinstance(filename, RemotePath):
                 return load_safetensors(filename, device if device != "cpu" else None)
-            return load_file(filename, device)
+            return load_file(filename, device, *args, **kwargs)
 
         load_file_._rgpu = True
         module.load_file = load_file_

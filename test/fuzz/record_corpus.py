@@ -96,6 +96,24 @@ x = torch.randn(64, 64).to(d); t = torch.randint(0, 1000, (32, 64)).to(d)
 h = torch.randn(40, 40).half().to(d); b = (torch.rand(90, 90) > 0.5).to(d)
 print((x @ x).sum().item(), t.sum().item(), h.float().mean().item(), b.sum().item())
 """,
+    "files": """
+torch.save({"w": torch.randn(4, 3, device=d), "n": 3}, rgpu.remote("f/a.pt"))
+back = torch.load(rgpu.remote("f/a.pt"))
+from safetensors.torch import save_file, load_file
+save_file({"w": torch.arange(6.0, device=d)}, rgpu.remote("f/a.safetensors"))
+print(load_file(rgpu.remote("f/a.safetensors"))["w"].sum().item(), back["w"].shape)
+rgpu.remote("f/t.txt").write_bytes(bytes(range(64)))
+arr = rgpu.data.RemoteArray("f/t.txt", torch.uint8)
+print(arr[torch.tensor([1, 5, 63])].cpu(), arr[2:6].cpu(), rgpu.remote("f").ls())
+rgpu.remote("f/t.txt").rm()
+""",
+    "content_uploads": """
+w = torch.randn(1 << 18)
+a = w.to(d)
+a.sum().item()
+b = w.to(d)  # names bytes the store holds
+print((a - b).abs().sum().item())
+""",
     "cancel": """
 import threading
 net = torch.nn.Linear(8, 8).to(d); opt = torch.optim.AdamW(net.parameters(), lr=0.1)
@@ -163,8 +181,11 @@ def main():
     # The server's socket and the relay's each live in a private directory of this run.
     target = os.path.join(tempfile.mkdtemp(prefix="rgpu-corpus-server-"), "opserver.sock")
     listen = os.path.join(tempfile.mkdtemp(prefix="rgpu-corpus-relay-"), "relay.sock")
+    work = tempfile.mkdtemp(prefix="rgpu-corpus-data-")
     server = subprocess.Popen([OPSERVER, "--device", "cpu", "--socket", target,
-                               "--compiler", "plan"], stderr=subprocess.PIPE, text=True)
+                               "--compiler", "plan", "--files-dir", os.path.join(work, "files"),
+                               "--cache-dir", os.path.join(work, "cache")],
+                              stderr=subprocess.PIPE, text=True)
     for line in server.stderr:
         if "listening on unix:" in line:
             break

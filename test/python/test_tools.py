@@ -179,7 +179,7 @@ def test_rgpu_run_check_against_a_running_server(server):
 
     lines = r.stdout.splitlines()
     assert lines[0].startswith(f"client: torch {torch.__version__}"), r.stdout
-    assert f"server: {server.address}: rgpu protocol 12, torch {torch.__version__.split('+')[0]}" in r.stdout
+    assert f"server: {server.address}: rgpu protocol 13, torch {torch.__version__.split('+')[0]}" in r.stdout
     assert "device cpu (" in r.stdout and "compiler plan" in r.stdout, r.stdout
     assert lines[-1] == "ok: this client can use that server", r.stdout
     # RGPU_OPSERVER, as a program run by rgpu-run would use it.
@@ -244,7 +244,7 @@ def test_rgpu_run_check_against_a_server_of_another_release(tmp_path):
     server = OtherRelease(tmp_path / "s.sock", protocol=99, torch_version=ours)
     r = rgpu_run("--server", server.address, "--check")
     assert r.returncode == 1, r.stdout
-    assert f"server: {server.address}: version mismatch: rgpu protocol 12 here, 99 on the server" \
+    assert f"server: {server.address}: version mismatch: rgpu protocol 13 here, 99 on the server" \
         in r.stdout, r.stdout
     assert "fix: install the same torch release and the same rgpu on both sides" in r.stdout
 
