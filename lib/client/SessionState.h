@@ -194,8 +194,8 @@ struct Session::State {
   void queueUpload(uint64_t handle, uint8_t device, const ir::TensorMeta &meta,
                    std::shared_ptr<const uint8_t> bytes, std::optional<ir::Hash256> digest);
   /// Uploads of kContentUpload bytes or more, named by their digest, wait here (up to
-  /// kDeferredBytes) until the next frame: one HasContent asks which of them the server's
-  /// store holds, and those go as digests.
+  /// kDeferredBytes) until the next frame: their digests are made then, in parallel, one
+  /// HasContent asks which of them the server's store holds, and those go as digests.
   struct DeferredUpload {
     uint64_t handle = 0;
     uint8_t device = 0;

@@ -14,6 +14,7 @@
 #include "rgpu/wire/Planes.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>
@@ -44,8 +45,7 @@ Value Session::upload(const at::Tensor &src, ir::TensorMeta &meta, int device) {
   const uint64_t total = meta.storageBytes();
   const uint64_t handle = s.newHandles(1);
   if (total >= kContentUpload && s.options.contentUploads) {
-    s.deferredUploads.push_back(
-        {handle, uint8_t(device), meta, bytes, ir::digestOf(bytes.get(), total)});
+    s.deferredUploads.push_back({handle, uint8_t(device), meta, bytes, ir::Hash256()});
     s.deferredBytes += total;
     if (s.deferredBytes >= kDeferredBytes)
       s.flush(false);
@@ -100,6 +100,11 @@ void Session::State::sendDeferred() {
   laterTargets.swap(queuedTargets);
   std::vector<uint64_t> laterReleases;
   laterReleases.swap(releases);
+  // Their digests, made side by side: the copies are private, nothing changed them since.
+  at::parallel_for(0, int64_t(uploads.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k)
+      uploads[k].digest = ir::digestOf(uploads[k].bytes.get(), uploads[k].meta.storageBytes());
+  });
   std::vector<bool> present;
   try {
     command::HasContent ask;
