@@ -167,14 +167,15 @@ def saving_remote(stand_ins, location):
     """torch.save to a remote path (rgpu.remote): each rgpu tensor is pickled as a CPU stand-in
     whose storage is never touched (`stand_ins` maps it to the tensor), tagged with the server
     device `location(device)` names."""
-    outer = getattr(_state, "remote", None), getattr(_state, "tags", None)
-    _state.remote, _state.tags = (stand_ins, location), {}
+    outer = getattr(_state, "remote", None), getattr(_state, "tags", None), \
+        getattr(_state, "saved", None)
+    _state.remote, _state.tags, _state.saved = (stand_ins, location), {}, {}
     _state.saving = getattr(_state, "saving", 0) + 1
     try:
         yield
     finally:
         _state.saving -= 1
-        _state.remote, _state.tags = outer
+        _state.remote, _state.tags, _state.saved = outer
 
 
 def _reduce_ex_internal(self, proto):
@@ -182,27 +183,46 @@ def _reduce_ex_internal(self, proto):
         return _original_reduce(self, proto)
     remote = getattr(_state, "remote", None)
     if remote is not None:
-        from .remote import _remote_tensor
-
         stand_ins, location = remote
-        t = _remote_tensor(self.detach())
-        stand_in = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
-        stand_in.requires_grad_(self.requires_grad)
-        key = stand_in.untyped_storage()._cdata
-        stand_ins[key] = t
-        _state.tags[key] = (location(self.device), stand_in)
-        return _original_reduce(stand_in, proto)
+
+        def stand_in():  # a CPU tensor of its layout whose memory is never touched
+            from .remote import _remote_tensor
+
+            t = _remote_tensor(self.detach())
+            cpu = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+            stand_ins[cpu.untyped_storage()._cdata] = t
+            _state.tags[cpu.untyped_storage()._cdata] = (location(self.device), cpu)
+            return cpu
+
+        return _original_reduce(_saved_as(self, stand_in), proto)
     if torch.serialization._serialization_tls.skip_data:
         raise RuntimeError("rgpu tensors cannot be saved under torch.serialization.skip_data: "
                            "their data lives on the server")
-    with torch.no_grad():
-        cpu = self.cpu()  # not self.detach(): that is a new alias, fetched on its own
     if not getattr(_state, "saving", 0):
+        with torch.no_grad():
+            cpu = self.cpu()  # not self.detach(): that is a new alias, fetched on its own
         return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
                 (cpu, self.dtype, str(self.device), self.requires_grad))
-    cpu.requires_grad_(self.requires_grad)
-    _state.tags[cpu.untyped_storage()._cdata] = (str(self.device), cpu)
-    return _original_reduce(cpu, proto)
+
+    def fetched():
+        with torch.no_grad():
+            cpu = self.cpu()
+        _state.tags[cpu.untyped_storage()._cdata] = (str(self.device), cpu)
+        return cpu
+
+    return _original_reduce(_saved_as(self, fetched), proto)
+
+
+def _saved_as(self, make):
+    """The CPU tensor that stands for rgpu tensor `self` in the torch.save in progress, made by
+    `make` once per distinct view: the aliases state_dict() gives of tied weights are one
+    storage in the file (and one download), as on the CPU."""
+    key = (self.untyped_storage().data_ptr(), self.storage_offset(), tuple(self.shape),
+           tuple(self.stride()), self.dtype, self.device)
+    if key not in _state.saved:
+        _state.saved[key] = make()
+    out = _state.saved[key].detach()
+    return out.requires_grad_(self.requires_grad)
 
 
 def _tag(storage):
@@ -249,6 +269,7 @@ def _save(obj, f, *args, **kwargs):
     outermost = not getattr(_state, "saving", 0)
     if outermost:
         _state.tags = {}  # storage -> (device, the fetched tensor that keeps it alive)
+        _state.saved = {}  # a view of an rgpu storage -> the CPU tensor saved for it
     _state.saving = getattr(_state, "saving", 0) + 1
     try:
         with downloads_together(_tensors_in(obj)):
@@ -256,7 +277,7 @@ def _save(obj, f, *args, **kwargs):
     finally:
         _state.saving -= 1
         if outermost:
-            _state.tags = {}
+            _state.tags, _state.saved = {}, {}
 
 
 _original_load = torch.load
