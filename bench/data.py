@@ -63,6 +63,7 @@ def main():
     parser.add_argument("--mbit", type=float, default=100)
     parser.add_argument("--rtt-ms", type=float, default=20)
     parser.add_argument("--layers", type=int, default=12, help="GPT-2 layers (12: GPT-2 small)")
+    parser.add_argument("--systems", default="before,after", help="of before, after")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="rgpu-bench-data-")
@@ -74,7 +75,7 @@ def main():
                  r"relay listening on ([\d.]+:\d+)")
     rows = []
     try:
-        for system in ("before", "after"):
+        for system in args.systems.split(","):
             for run in ("first", "second"):
                 env = dict(os.environ, RGPU_OPSERVER=relay.address,
                            RGPU_UPLOAD_STORE="0" if system == "before" else "1")

@@ -101,9 +101,17 @@ kj::ArrayPtr<const kj::byte> bytesOf(const std::string &s) {
   return kj::arrayPtr(reinterpret_cast<const kj::byte *>(s.data()), s.size());
 }
 
-void putStored(const command::StoredTensor &t, wire::StoredTensor::Builder b) {
-  b.setHandle(t.handle);
-  wire::encodeMeta(t.meta, b.initMeta());
+/// A file's part or an archive's record: bytes, or a tensor of the session.
+template <class Builder>
+void putPart(const std::variant<std::string, command::StoredTensor> &part, Builder b) {
+  if (const auto *data = std::get_if<std::string>(&part)) {
+    b.setData(bytesOf(*data));
+    return;
+  }
+  const auto &t = std::get<command::StoredTensor>(part);
+  auto stored = b.initTensor();
+  stored.setHandle(t.handle);
+  wire::encodeMeta(t.meta, stored.initMeta());
 }
 } // namespace
 
@@ -125,12 +133,8 @@ void FrameEncoder::put(const command::File &c, wire::Command::Builder b) {
             if (w.digest)
               wire::encodeHash(*w.digest, wr.initDigest());
             auto parts = wr.initParts(w.parts.size());
-            for (size_t k = 0; k < w.parts.size(); ++k) {
-              if (const auto *data = std::get_if<std::string>(&w.parts[k]))
-                parts[k].setData(bytesOf(*data));
-              else
-                putStored(std::get<command::StoredTensor>(w.parts[k]), parts[k].initTensor());
-            }
+            for (size_t k = 0; k < w.parts.size(); ++k)
+              putPart(w.parts[k], parts[k]);
           },
           [&](const command::file::Remove &) { f.setRemove(); },
           [&](const command::file::Tensor &t) {
@@ -156,11 +160,7 @@ void FrameEncoder::put(const command::File &c, wire::Command::Builder b) {
             auto rs = f.initSaveArchive(a.records.size());
             for (size_t k = 0; k < a.records.size(); ++k) {
               rs[k].setName(a.records[k].first);
-              if (const auto *data = std::get_if<std::string>(&a.records[k].second))
-                rs[k].setData(bytesOf(*data));
-              else
-                putStored(std::get<command::StoredTensor>(a.records[k].second),
-                          rs[k].initTensor());
+              putPart(a.records[k].second, rs[k]);
             }
           },
           [&](const command::file::LoadArchive &l) {

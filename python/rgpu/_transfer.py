@@ -213,12 +213,29 @@ def _reduce_ex_internal(self, proto):
     return _original_reduce(_saved_as(self, fetched), proto)
 
 
+def _view_key(t):
+    """What two rgpu tensors that are the same view of one storage have in common."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+            tuple(t.stride()), t.dtype, t.device)
+
+
+def _distinct_views(tensors):
+    """`tensors` without the rgpu tensors that repeat an earlier one's view."""
+    seen = set()
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "rgpu":
+            key = _view_key(t)
+            if key in seen:
+                continue
+            seen.add(key)
+        yield t
+
+
 def _saved_as(self, make):
     """The CPU tensor that stands for rgpu tensor `self` in the torch.save in progress, made by
     `make` once per distinct view: the aliases state_dict() gives of tied weights are one
     storage in the file (and one download), as on the CPU."""
-    key = (self.untyped_storage().data_ptr(), self.storage_offset(), tuple(self.shape),
-           tuple(self.stride()), self.dtype, self.device)
+    key = _view_key(self)
     if key not in _state.saved:
         _state.saved[key] = make()
     out = _state.saved[key].detach()
@@ -272,7 +289,7 @@ def _save(obj, f, *args, **kwargs):
         _state.saved = {}  # a view of an rgpu storage -> the CPU tensor saved for it
     _state.saving = getattr(_state, "saving", 0) + 1
     try:
-        with downloads_together(_tensors_in(obj)):
+        with downloads_together(_distinct_views(_tensors_in(obj))):
             return _original_save(obj, f, *args, **kwargs)
     finally:
         _state.saving -= 1

@@ -1932,34 +1932,27 @@ TEST(Faults, FilesAreaRequestsThatLeaveItOrPassItsLimitsAreRefusedByName) {
   ASSERT_TRUE(reply);
   EXPECT_NE(Peer::errorOf(*reply).find("has 10485760 bytes"), std::string::npos)
       << Peer::errorOf(*reply);
-  reply = bad.send(true, 2, [&](auto cmds) {
-    float picks[3] = {0, 0, 0};
-    uploadChunk(cmds[0], 951, vec3(), 12, 0,
-                kj::arrayPtr(reinterpret_cast<const kj::byte *>(picks), 12));
-    auto f = cmds[1].initFile();
-    f.setPath("ten");
-    auto g = f.initGather();
-    g.setHandle(952);
-    g.setIndex(951);
-    g.setDtype(ir::dtype::Float);
-    g.setRows(4);
-  });
+  // Rows 0..3 of "ten" picked by the 16 bytes of \p picks, an index tensor of \p meta.
+  auto gather = [&](uint64_t handle, const ir::TensorMeta &meta, const void *picks) {
+    return bad.send(true, 2, [&](auto cmds) {
+      uploadChunk(cmds[0], handle, meta, meta.storageBytes(), 0,
+                  kj::arrayPtr(static_cast<const kj::byte *>(picks), meta.storageBytes()));
+      auto g = cmds[1].initFile();
+      g.setPath("ten");
+      auto r = g.initGather();
+      r.setHandle(handle + 1);
+      r.setIndex(handle);
+      r.setDtype(ir::dtype::Float);
+      r.setRows(4);
+    });
+  };
+  const float floats[4] = {0, 0, 0, 0};
+  reply = gather(951, ir::TensorMeta::contiguous(ir::dtype::Float, {4}), floats);
   ASSERT_TRUE(reply);
   EXPECT_NE(errorAndType(*reply).first.find("integer tensor"), std::string::npos)
       << errorAndType(*reply).first;
-  reply = bad.send(true, 2, [&](auto cmds) {
-    int64_t picks[2] = {1, 4};
-    ir::TensorMeta two = ir::TensorMeta::contiguous(ir::dtype::Long, {2});
-    uploadChunk(cmds[0], 953, two, 16, 0,
-                kj::arrayPtr(reinterpret_cast<const kj::byte *>(picks), 16));
-    auto f = cmds[1].initFile();
-    f.setPath("ten");
-    auto g = f.initGather();
-    g.setHandle(954);
-    g.setIndex(953);
-    g.setDtype(ir::dtype::Float);
-    g.setRows(4);
-  });
+  const int64_t past[2] = {1, 4};
+  reply = gather(953, ir::TensorMeta::contiguous(ir::dtype::Long, {2}), past);
   ASSERT_TRUE(reply);
   EXPECT_EQ(errorAndType(*reply).second, "IndexError") << errorAndType(*reply).first;
   reply = fileRequest(bad, "ten", [](auto f) {
