@@ -108,7 +108,7 @@ print(arr[torch.tensor([1, 5, 63])].cpu(), arr[2:6].cpu(), rgpu.remote("f").ls()
 rgpu.remote("f/t.txt").rm()
 """,
     "content_uploads": """
-w = torch.randn(1 << 18)
+w = torch.zeros(1 << 18)
 a = w.to(d)
 a.sum().item()
 b = w.to(d)  # names bytes the store holds
@@ -133,7 +133,8 @@ print(net.weight.sum().item())
 }
 
 # Settings of a workload's client besides the defaults.
-ENV = {"compressed_uploads": {"RGPU_COMPRESS": "1"}}
+ENV = {"compressed_uploads": {"RGPU_COMPRESS": "1"},
+       "content_uploads": {"RGPU_COMPRESS": "1"}}  # a MiB of zeros, a few bytes on the wire
 
 
 async def relay(target, listen, record, ready):
