@@ -281,11 +281,7 @@ def _patch_pretrained(module):
                 save_pretrained(self, local, *args, **kwargs)
             finally:
                 _redirect.into = None
-            for root, _, files in os.walk(local):
-                for name in files:
-                    rel = os.path.relpath(os.path.join(root, name), local).replace(os.sep, "/")
-                    with open(os.path.join(root, name), "rb") as f:
-                        (save_directory / rel).write_bytes(f.read())
+            _copy_to_remote(local, save_directory)
 
     @functools.wraps(from_pretrained)
     def from_pretrained_(cls, pretrained, *args, **kwargs):
@@ -298,6 +294,55 @@ def _patch_pretrained(module):
     save_pretrained_._rgpu = from_pretrained_._rgpu = True
     cls.save_pretrained = save_pretrained_
     cls.from_pretrained = classmethod(from_pretrained_)
+
+
+def _copy_to_remote(local, remote):
+    """Copies the files of local directory `local` into remote directory `remote`."""
+    for root, _, files in os.walk(local):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), local).replace(os.sep, "/")
+            with open(os.path.join(root, name), "rb") as f:
+                (remote / rel).write_bytes(f.read())
+
+
+def _patch_small_files(module, names):
+    """Classes of `module` whose files are small (configs, tokenizers): `from_pretrained` of a
+    remote directory reads a local copy of its files but the weights, and `save_pretrained`
+    into one writes locally, then copies the files there."""
+    for name in names:
+        cls = getattr(module, name, None)
+        if cls is None or getattr(cls.__dict__.get("from_pretrained"), "_rgpu", False):
+            continue
+        from_pretrained = cls.from_pretrained.__func__
+
+        @functools.wraps(from_pretrained)
+        def from_pretrained_(cls, pretrained, *args, _original=from_pretrained, **kwargs):
+            from .remote import RemotePath, fetch_small_files
+
+            if not isinstance(pretrained, RemotePath):
+                return _original(cls, pretrained, *args, **kwargs)
+            with tempfile.TemporaryDirectory() as local:
+                fetch_small_files(pretrained, local)
+                return _original(cls, local, *args, **kwargs)
+
+        from_pretrained_._rgpu = True
+        cls.from_pretrained = classmethod(from_pretrained_)
+        save_pretrained = cls.__dict__.get("save_pretrained")
+        if save_pretrained is None:
+            continue
+
+        @functools.wraps(save_pretrained)
+        def save_pretrained_(self, directory, *args, _original=save_pretrained, **kwargs):
+            from .remote import RemotePath
+
+            if not isinstance(directory, RemotePath):
+                return _original(self, directory, *args, **kwargs)
+            with tempfile.TemporaryDirectory() as local:
+                out = _original(self, local, *args, **kwargs)
+                _copy_to_remote(local, directory)
+            return out
+
+        cls.save_pretrained = save_pretrained_
 
 
 def _patch_auto_models(module):
@@ -335,6 +380,12 @@ def install():
     _after_import("safetensors.torch", _patch_safetensors)
     _after_import("transformers.modeling_utils", _patch_pretrained)
     _after_import("transformers.models.auto.auto_factory", _patch_auto_models)
+    for module, names in (("transformers.configuration_utils", ("PretrainedConfig",)),
+                          ("transformers.tokenization_utils_base", ("PreTrainedTokenizerBase",)),
+                          ("transformers.generation.configuration_utils", ("GenerationConfig",)),
+                          ("transformers.models.auto.configuration_auto", ("AutoConfig",)),
+                          ("transformers.models.auto.tokenization_auto", ("AutoTokenizer",))):
+        _after_import(module, functools.partial(_patch_small_files, names=names))
     for package in ("lightning.pytorch", "pytorch_lightning"):
         _after_import(package + ".accelerators", _register_lightning_accelerator)
         _after_import(package + ".trainer.connectors.accelerator_connector", _lightning_picks_rgpu)

@@ -415,7 +415,7 @@ def load_safetensors(path, device=None):
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 
-def _fetch_small_files(path, local):
+def fetch_small_files(path, local):
     """Copies the files of remote model directory `path` but its weights into `local`."""
     for e in path.ls():
         if not e.is_dir and not e.name.endswith(_WEIGHTS) and e.size <= CHUNK:
@@ -427,7 +427,7 @@ def remote_config(path):
     from transformers import AutoConfig
 
     with tempfile.TemporaryDirectory() as local:
-        _fetch_small_files(path, local)
+        fetch_small_files(path, local)
         return AutoConfig.from_pretrained(local)
 
 
@@ -440,15 +440,17 @@ def load_pretrained(cls, path, *model_args, config=None, device_map=None, dtype=
     device = _rgpu_device(device_map if isinstance(device_map, (str, torch.device)) and
                           torch.device(device_map).type == "rgpu" else None)
     with tempfile.TemporaryDirectory() as local:
-        _fetch_small_files(path, local)
+        fetch_small_files(path, local)
         if config is None:
             config = (cls.config_class or transformers.AutoConfig).from_pretrained(local)
         generation = None
         if os.path.exists(os.path.join(local, "generation_config.json")):
             generation = transformers.GenerationConfig.from_pretrained(local)
         index = os.path.join(local, "model.safetensors.index.json")
-        shards = sorted(set(json.load(open(index))["weight_map"].values())) \
-            if os.path.exists(index) else None
+        shards = None
+        if os.path.exists(index):
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
     names = [e.name for e in path.ls() if not e.is_dir]
     if shards is None:
         shards = [n for n in names if n.endswith(".safetensors")]

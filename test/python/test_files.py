@@ -172,6 +172,18 @@ for load in (GPT2LMHeadModel.from_pretrained, AutoModelForCausalLM.from_pretrain
         got = back(ids.to("rgpu")).logits.cpu()
     assert torch.equal(got, want), (got - want).abs().max()
 """)
+    # a tokenizer's files go there and come back as any small files do
+    client(files_server, "alice", """
+import json, os, tempfile
+from transformers import AutoTokenizer, GPT2Tokenizer
+d = tempfile.mkdtemp()
+json.dump({"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3}, open(os.path.join(d, "vocab.json"), "w"))
+open(os.path.join(d, "merges.txt"), "w").write("#version: 0.2\\na b\\n")
+tok = GPT2Tokenizer(os.path.join(d, "vocab.json"), os.path.join(d, "merges.txt"))
+tok.save_pretrained(rgpu.remote("models/tiny"))
+back = AutoTokenizer.from_pretrained(rgpu.remote("models/tiny"))
+assert back("abab a")["input_ids"] == tok("abab a")["input_ids"], back("abab a")
+""")
     # and transformers reads it on the server host as any model directory
     from transformers import GPT2LMHeadModel
 
