@@ -43,7 +43,8 @@ void readAt(int fd, uint64_t offset, void *out, uint64_t n, const std::string &p
       continue;
     if (got <= 0)
       throw FileError("files area: '" + path + "' cannot be read" +
-                          (got < 0 ? std::string(" (") + std::strerror(errno) + ")" : ": it is shorter than it was"),
+                          (got < 0 ? std::string(" (") + std::strerror(errno) + ")"
+                                   : ": it is shorter than it was"),
                       "OSError");
     done += uint64_t(got);
   }
@@ -93,8 +94,8 @@ struct Mapping {
 void Session::handleHasContent(capnp::List<wire::Hash>::Reader digests, Reply &reply) {
   std::vector<bool> &present = reply.add(result::Present{}).present;
   if (digests.size() > kMaxDigests)
-    throw SessionError("a HasContent of " + std::to_string(digests.size()) + " digests, more than " +
-                       std::to_string(kMaxDigests));
+    throw SessionError("a HasContent of " + std::to_string(digests.size()) +
+                       " digests, more than " + std::to_string(kMaxDigests));
   for (auto d : digests)
     present.push_back(ctx_.store().has(principal_, wire::decodeHash(d)));
 }
@@ -192,8 +193,9 @@ void Session::fileTensor(const std::string &path, wire::FileTensor::Reader r) {
              ", more than this server's limit per tensor");
     auto [fd, size] = ctx_.files().open(principal_, path);
     if (offset > size || bytes > size - offset)
-      refuse("'" + path + "' has " + std::to_string(size) + " bytes; the tensor asked for is bytes [" +
-             std::to_string(offset) + ", " + std::to_string(offset + bytes) + ")");
+      refuse("'" + path + "' has " + std::to_string(size) +
+             " bytes; the tensor asked for is bytes [" + std::to_string(offset) + ", " +
+             std::to_string(offset + bytes) + ")");
     at::Tensor host = at::empty_strided(
         meta.sizes, meta.strides,
         at::TensorOptions()
@@ -306,7 +308,8 @@ void Session::saveArchive(const std::string &path,
         zip.writeRecord(name, rec.getData().begin(), rec.getData().size());
       } else {
         auto t = rec.getTensor();
-        at::Tensor host = hostBytes(tensorOf(t.getHandle(), "torch.save"), t.getMeta(), "torch.save");
+        at::Tensor host =
+            hostBytes(tensorOf(t.getHandle(), "torch.save"), t.getMeta(), "torch.save");
         zip.writeRecord(name, host.data_ptr(), host.storage().nbytes());
       }
     }

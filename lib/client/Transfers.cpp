@@ -228,8 +228,12 @@ at::Tensor Session::State::fetch(LazyTensorImpl *impl, const ir::TensorMeta &wan
   }
   const uint64_t bytes = want.storageBytes();
   const wire::Limits &limits = transport.limits();
-  if (bytes > limits.uploadChunkBytes)
+  if (bytes > limits.uploadChunkBytes) {
+    // Read apart, in chunks: a later read of the group must not fetch it again.
+    if (!group.members.empty())
+      group.fetched.try_emplace(data, DownloadGroup::Fetched{impl->value.data, at::Tensor(), true});
     return downloadInChunks(*impl->value.data, want);
+  }
   // This tensor, and with it members of the download group that are not fetched yet, as many
   // as fit in one reply. The cut above made every live tensor device data. Members are matched
   // by the data they hold: `t.detach().cpu()` reads a member through another tensor.

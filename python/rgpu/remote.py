@@ -31,7 +31,6 @@ import pickle
 import posixpath
 import sys
 import tempfile
-import threading
 
 import torch
 
@@ -39,7 +38,6 @@ from . import _C
 
 __all__ = ["RemotePath", "remote"]
 
-_state = threading.local()
 Entry = collections.namedtuple("Entry", "name size is_dir")
 
 #: Bytes per request of a chunked read or write.
