@@ -12,7 +12,9 @@ Where a local path would go, a remote one keeps the bytes on the server:
   tensors on the server, sending only the pickle to the client; tensors that shared a storage
   in the file are views of one tensor. ``map_location`` may name an rgpu device (the default:
   the current one), or another device to move the loaded tensors to.
-* safetensors' ``save_file`` and ``load_file`` take remote paths, and so do Hugging Face's
+* safetensors' ``save_file`` and ``load_file`` take remote paths (``load_file`` reads onto the
+  current rgpu device, or the rgpu device ``device`` names: its default, "cpu", is taken to mean
+  the current one, since the file is on the server), and so do Hugging Face's
   ``save_pretrained`` and ``from_pretrained`` (``rgpu._frameworks``).
 * ``.open()``, ``.ls()``, ``.rm()``, ``.read_bytes()``, ``.write_bytes()`` for small files
   (configs, tokenizers), ``.upload(local)`` and ``.download(local)`` for files that start or
