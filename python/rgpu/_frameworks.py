@@ -205,6 +205,24 @@ def _fetching_together(fn, tensors_of):
     return wrapper
 
 
+def _patch_safe_open(module):
+    """safetensors.safe_open of a remote path reads the file on the server (rgpu.remote)."""
+    safe_open = getattr(module, "safe_open", None)
+    if safe_open is None or getattr(safe_open, "_rgpu", False):
+        return
+
+    @functools.wraps(safe_open, updated=())
+    def safe_open_(filename, framework, device="cpu", *args, **kwargs):
+        from .remote import RemotePath, SafeOpen
+
+        if isinstance(filename, RemotePath):
+            return SafeOpen(filename, framework, device)
+        return safe_open(filename, framework, device, *args, **kwargs)
+
+    safe_open_._rgpu = True
+    module.safe_open = safe_open_
+
+
 def _patch_safetensors(module):
     """safetensors' save and save_file fetch their rgpu tensors in one round trip; save_file
     and load_file take remote paths (rgpu.remote), and files that save_pretrained writes into
@@ -377,6 +395,7 @@ def _after_import(name, patch):
 def install():
     _after_import("transformers.training_args", _patch_training_arguments)
     # Before transformers.modeling_utils binds safetensors' save_file by name.
+    _after_import("safetensors", _patch_safe_open)
     _after_import("safetensors.torch", _patch_safetensors)
     _after_import("transformers.modeling_utils", _patch_pretrained)
     _after_import("transformers.models.auto.auto_factory", _patch_auto_models)

@@ -12,7 +12,8 @@ Where a local path would go, a remote one keeps the bytes on the server:
   tensors on the server, sending only the pickle to the client; tensors that shared a storage
   in the file are views of one tensor. ``map_location`` may name an rgpu device (the default:
   the current one), or another device to move the loaded tensors to.
-* safetensors' ``save_file`` and ``load_file`` take remote paths (``load_file`` reads onto the
+* safetensors' ``save_file``, ``load_file`` and ``safe_open`` take remote paths (what they
+  read lands on rgpu; ``load_file`` reads onto the
   current rgpu device, or the rgpu device ``device`` names: its default, "cpu", is taken to mean
   the current one, since the file is on the server), and so do Hugging Face's
   ``save_pretrained`` and ``from_pretrained`` (``rgpu._frameworks``).
@@ -408,6 +409,70 @@ def load_safetensors(path, device=None):
                             list(strides), on.index)
         out[name] = t if target is None or target.type == "rgpu" else t.to(target)
     return out
+
+
+class SafeOpen:
+    """safetensors.safe_open(rgpu.remote(path), framework="pt", device=...): the file's tensors
+    read on the server, onto the rgpu device `device` names (by default the current one)."""
+
+    def __init__(self, path, framework="pt", device="cpu"):
+        if framework not in ("pt", "torch"):
+            raise ValueError(f"{path!r} is on the server: only framework='pt' reads it")
+        self.path = path
+        self.header, self.start = safetensors_header(path)
+        target = torch.device(device) if device != "cpu" else None
+        self.device = _rgpu_device(target if target is not None and target.type == "rgpu"
+                                   else None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def keys(self):
+        return sorted(k for k in self.header if k != "__metadata__")
+
+    def metadata(self):
+        return self.header.get("__metadata__")
+
+    def _read(self, name, first=0, rows=None):
+        info = self.header[name]
+        dtype = _SAFETENSORS_NAMES[info["dtype"]]
+        shape = list(info["shape"])
+        strides = list(torch.empty(shape, dtype=dtype, device="meta").stride())
+        offset = self.start + info["data_offsets"][0]
+        if rows is not None:  # rows [first, first + rows) of the first dimension
+            offset += first * strides[0] * torch.empty(0, dtype=dtype).element_size()
+            shape[0] = rows
+        return _C.files_tensor(self.path.path, offset, dtype, shape, strides, self.device.index)
+
+    def get_tensor(self, name):
+        return self._read(name)
+
+    def get_slice(self, name):
+        return _Slice(self, name)
+
+
+class _Slice:
+    def __init__(self, file, name):
+        self.file, self.name, self.info = file, name, file.header[name]
+
+    def get_shape(self):
+        return list(self.info["shape"])
+
+    def get_dtype(self):
+        return self.info["dtype"]
+
+    def __getitem__(self, index):
+        first = index[0] if isinstance(index, tuple) and index else index
+        rest = index[1:] if isinstance(index, tuple) else ()
+        shape = self.info["shape"]
+        if isinstance(first, slice) and shape and (first.step in (None, 1)):
+            start, stop, _ = first.indices(shape[0])
+            t = self.file._read(self.name, start, max(0, stop - start))
+            return t[(slice(None),) + tuple(rest)] if rest else t
+        return self.file._read(self.name)[index]
 
 
 #  Hugging Face model directories

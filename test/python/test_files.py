@@ -134,6 +134,15 @@ back = load_file(rgpu.remote("st/x.safetensors"))
 for k, v in tensors.items():
     assert back[k].device.type == "rgpu", k
     assert back[k].dtype == v.dtype and torch.equal(back[k].cpu(), v), k
+from safetensors import safe_open
+with safe_open(rgpu.remote("st/x.safetensors"), framework="pt") as f:
+    assert f.keys() == sorted(tensors) and f.metadata() == {"format": "pt"}
+    assert torch.equal(f.get_tensor("b").cpu(), tensors["b"])
+    part = f.get_slice("a")
+    assert part.get_shape() == [64, 32] and part.get_dtype() == "F32"
+    assert torch.equal(part[8:24].cpu(), tensors["a"][8:24])  # only those rows are read
+    assert torch.equal(part[3:5, 2:].cpu(), tensors["a"][3:5, 2:])
+    assert torch.equal(part[:, 7].cpu(), tensors["a"][:, 7])
 """)
     from safetensors.torch import load_file, safe_open
 
