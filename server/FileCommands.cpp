@@ -164,7 +164,10 @@ void Session::handleFile(wire::FileRequest::Reader r, Reply &reply) {
 }
 
 void Session::writeFile(const std::string &path, wire::FileWrite::Reader r) {
-  auto writer = ctx_.files().write(principal_, path, r.getOffset());
+  // A file written in one request has a partial file of its own: another writer of the same
+  // path meanwhile never mixes its bytes in.
+  auto writer = ctx_.files().write(principal_, path, r.getOffset(),
+                                   r.getOffset() == 0 && r.getCommit());
   for (wire::FilePart::Reader part : r.getParts()) {
     if (part.isData()) {
       writer->append(part.getData().begin(), part.getData().size());
@@ -281,7 +284,7 @@ void Session::saveArchive(const std::string &path,
   if (records.size() > kMaxArchiveRecords)
     refuse("'" + path + "': an archive of more than " + std::to_string(kMaxArchiveRecords) +
            " records");
-  auto writer = ctx_.files().write(principal_, path, 0);
+  auto writer = ctx_.files().write(principal_, path, 0, /*whole=*/true);
   // The zip writer calls back into C code: a failed write is kept and raised after it returns
   // (later writes are dropped, so that its own end-of-file write cannot throw again).
   std::exception_ptr failed;

@@ -9,7 +9,9 @@
 #include <llvm/ADT/StringRef.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <dirent.h>
 #include <fcntl.h>
@@ -262,48 +264,74 @@ void FilesArea::charge(const std::string &principal, int64_t bytes) {
 }
 
 std::unique_ptr<FilesArea::Writer> FilesArea::write(const std::string &principal,
-                                                    const std::string &path, uint64_t offset) {
+                                                    const std::string &path, uint64_t offset,
+                                                    bool whole) {
   auto [dir, leaf] = parent(principal, path, true);
-  if (leaf.size() + 8 > 255)
-    fail(path, "has a last component longer than 247 bytes");
+  if (leaf.size() + 32 > 255)
+    fail(path, "has a last component longer than 223 bytes");
   if (mode_t kind = kindOf(dir.get(), leaf); kind == S_IFDIR)
     fail(path, "is a directory", EISDIR);
-  const std::string partial = leaf + ".partial";
+  std::string partial = leaf + ".partial";
+  if (whole) {
+    static std::atomic<uint64_t> writes{0};
+    char unique[40];
+    std::snprintf(unique, sizeof unique, "-%d-%llu", int(::getpid()),
+                  (unsigned long long)writes++);
+    partial += unique;
+    offset = 0;
+  }
+  const std::string shown = path.substr(0, path.size() - leaf.size()) + partial;
   Fd fd(::openat(dir.get(), partial.c_str(),
-                 O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | (offset == 0 ? O_CREAT : 0), 0600));
+                 O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | (offset == 0 ? O_CREAT : 0) |
+                     (whole ? O_EXCL : 0),
+                 0600));
   if (fd.get() < 0) {
     const int err = errno;
     if (mode_t kind = kindOf(dir.get(), partial); kind && kind != S_IFREG)
-      refuseKind(path + ".partial", kind);
-    fail(path + ".partial", offset ? "no partial file to go on from" : "cannot be written", err);
+      refuseKind(shown, kind);
+    fail(shown, offset ? "no partial file to go on from" : "cannot be written", err);
   }
   struct stat st;
   if (::fstat(fd.get(), &st) != 0)
-    fail(path + ".partial", "cannot be written", errno);
+    fail(shown, "cannot be written", errno);
   if (!S_ISREG(st.st_mode))
-    refuseKind(path + ".partial", st.st_mode & S_IFMT);
+    refuseKind(shown, st.st_mode & S_IFMT);
   const uint64_t size = uint64_t(st.st_size);
   if (offset == 0 && size) {
     if (::ftruncate(fd.get(), 0) != 0)
-      fail(path + ".partial", "cannot be truncated", errno);
+      fail(shown, "cannot be truncated", errno);
     charge(principal, -int64_t(size));
   } else if (offset != size) {
-    throw FileError("files area: '" + path + ".partial' has " + std::to_string(size) +
+    throw FileError("files area: '" + shown + "' has " + std::to_string(size) +
                         " bytes; a write goes on from its end, not from " + std::to_string(offset),
                     "ValueError");
   }
   if (::lseek(fd.get(), 0, SEEK_END) < 0)
-    fail(path + ".partial", "cannot be written", errno);
+    fail(shown, "cannot be written", errno);
   return std::unique_ptr<Writer>(new Writer(*this, principal, path, std::move(dir), leaf,
-                                            std::move(fd), offset));
+                                            partial, whole, std::move(fd), offset));
 }
 
 FilesArea::Writer::Writer(FilesArea &area, std::string principal, std::string path, Fd dir,
-                          std::string leaf, Fd file, uint64_t size)
+                          std::string leaf, std::string partial, bool own, Fd file,
+                          uint64_t size)
     : area_(area), principal_(std::move(principal)), path_(std::move(path)),
-      leaf_(std::move(leaf)), dir_(std::move(dir)), file_(std::move(file)), size_(size) {}
+      leaf_(std::move(leaf)), partial_(std::move(partial)), own_(own), dir_(std::move(dir)),
+      file_(std::move(file)), size_(size) {}
 
-FilesArea::Writer::~Writer() = default;
+FilesArea::Writer::~Writer() {
+  if (own_ && !done_ && !failed_)
+    discard();
+}
+
+void FilesArea::Writer::discard() {
+  ::unlinkat(dir_.get(), partial_.c_str(), 0);
+  try {
+    area_.charge(principal_, -int64_t(size_));
+  } catch (...) {
+  }
+  size_ = 0;
+}
 
 void FilesArea::Writer::append(const void *data, uint64_t size) {
   if (failed_)
@@ -313,8 +341,7 @@ void FilesArea::Writer::append(const void *data, uint64_t size) {
   } catch (...) {
     // Nothing of a write past the quota is kept.
     failed_ = true;
-    ::unlinkat(dir_.get(), (leaf_ + ".partial").c_str(), 0);
-    area_.charge(principal_, -int64_t(size_));
+    discard();
     throw;
   }
   const char *at = static_cast<const char *>(data);
@@ -328,7 +355,7 @@ void FilesArea::Writer::append(const void *data, uint64_t size) {
       failed_ = true;
       area_.charge(principal_, -int64_t(size - done));
       size_ += done;
-      fail(path_ + ".partial", "cannot be written", err ? err : EIO);
+      fail(path_, "cannot be written", err ? err : EIO);
     }
     done += uint64_t(n);
   }
@@ -338,7 +365,6 @@ void FilesArea::Writer::append(const void *data, uint64_t size) {
 void FilesArea::Writer::commit(const std::optional<ir::Hash256> &digest) {
   if (failed_)
     fail(path_, "an earlier part of this write failed");
-  const std::string partial = leaf_ + ".partial";
   if (digest) {
     ir::Digester d;
     std::vector<char> buf(uint64_t(4) << 20);
@@ -349,14 +375,15 @@ void FilesArea::Writer::commit(const std::optional<ir::Hash256> &digest) {
       if (n < 0 && errno == EINTR)
         continue;
       if (n <= 0)
-        fail(path_ + ".partial", "cannot be read back", errno ? errno : EIO);
+        fail(path_, "cannot be read back", errno ? errno : EIO);
       d.update(buf.data(), size_t(n));
       at += uint64_t(n);
     }
     if (d.finish() != *digest) {
-      ::unlinkat(dir_.get(), partial.c_str(), 0);
-      area_.charge(principal_, -int64_t(size_));
-      throw FileError("files area: '" + path_ + "': its " + std::to_string(size_) +
+      const uint64_t bytes = size_;
+      failed_ = true;
+      discard();
+      throw FileError("files area: '" + path_ + "': its " + std::to_string(bytes) +
                           " bytes do not match the digest sent with them; nothing was kept",
                       "ValueError");
     }
@@ -365,8 +392,9 @@ void FilesArea::Writer::commit(const std::optional<ir::Hash256> &digest) {
   mode_t kind = kindOf(dir_.get(), leaf_, &old);
   if (kind == S_IFDIR)
     fail(path_, "is a directory", EISDIR);
-  if (::renameat(dir_.get(), partial.c_str(), dir_.get(), leaf_.c_str()) != 0)
+  if (::renameat(dir_.get(), partial_.c_str(), dir_.get(), leaf_.c_str()) != 0)
     fail(path_, "cannot be written", errno);
+  done_ = true;
   if (kind == S_IFREG)
     area_.charge(principal_, -int64_t(old));
 }

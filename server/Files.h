@@ -75,29 +75,35 @@ public:
   /// Removes a file or an empty directory.
   void remove(const std::string &principal, const std::string &path);
 
-  /// Writes to PATH.partial, then (commit) renames it to PATH. Bytes past the quota fail the
+  /// Writes to a partial file, then (commit) renames it to PATH. Bytes past the quota fail the
   /// write with an OSError naming it, and the partial file is removed.
   class Writer {
   public:
     void append(const void *data, uint64_t size);
     /// Renames the partial file to its path, after checking \p digest if given.
     void commit(const std::optional<ir::Hash256> &digest);
+    /// A private partial file not committed is removed.
     ~Writer();
 
   private:
     friend class FilesArea;
     Writer(FilesArea &area, std::string principal, std::string path, Fd dir, std::string leaf,
-           Fd file, uint64_t size);
+           std::string partial, bool own, Fd file, uint64_t size);
+    /// Removes the partial file and gives its bytes back to the quota.
+    void discard();
     FilesArea &area_;
-    std::string principal_, path_, leaf_;
+    std::string principal_, path_, leaf_, partial_;
+    bool own_; ///< the partial file is this writer's alone
     Fd dir_, file_;
     uint64_t size_;
-    bool failed_ = false;
+    bool failed_ = false, done_ = false;
   };
-  /// A writer of \p path's partial file from \p offset, which must be its size (0 starts it
-  /// over). Directories on the way are made.
+  /// A writer of \p path. With \p whole, into a partial file of its own (a file written in one
+  /// request: writers of one path do not mix their bytes); else into PATH.partial from
+  /// \p offset, which must be its size (0 starts it over), so that an upload that broke off
+  /// goes on. Directories on the way are made.
   std::unique_ptr<Writer> write(const std::string &principal, const std::string &path,
-                                uint64_t offset);
+                                uint64_t offset, bool whole = false);
 
   /// The longest path accepted, and the most components it may have.
   static constexpr size_t kMaxPath = 1024, kMaxDepth = 32;

@@ -245,6 +245,8 @@ struct FileRange {
 
 # Writes go to "PATH.partial" (made, or grown at its end); `commit` renames it to PATH,
 # replacing a file there. An upload that broke off goes on from the partial file's size (`list`).
+# A write from offset 0 that commits (a file written in one request) uses a partial file of its
+# own instead, so that two writers of one path never mix their bytes.
 struct FileWrite {
   offset @0 :UInt64;      # must be the partial file's size (0 starts it over)
   parts @1 :List(FilePart);

@@ -35,9 +35,9 @@ def as_(server, who):
     return {"RGPU_TOKEN_FILE": str(server.tokens / who)}
 
 
-def client(server, who, code, timeout=240):
-    r = run_client(server.address, "import torch, rgpu\n" + code, env=as_(server, who),
-                   timeout=timeout)
+def client(server, who, code, timeout=240, env=None):
+    r = run_client(server.address, "import torch, rgpu\n" + code,
+                   env=dict(as_(server, who), **(env or {})), timeout=timeout)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -57,9 +57,10 @@ total = float(sum(v.sum() for v in on.values()).item())
 after = rgpu.stats()
 print(after["bytes_out"] - before["bytes_out"], after["upload_bytes_deduplicated"], total)
 """
-    first = client(files_server, "alice", move).split()
-    second = client(files_server, "alice", move).split()
-    other = client(files_server, "bob", move).split()
+    plain = {"RGPU_COMPRESS": "0"}  # bytes as they are, on a loaded machine too
+    first = client(files_server, "alice", move, env=plain).split()
+    second = client(files_server, "alice", move, env=plain).split()
+    other = client(files_server, "bob", move, env=plain).split()
     size = 8 << 20
     assert int(first[0]) > size and int(first[1]) == 0, first
     assert int(second[0]) < size // 100 and int(second[1]) == size, second  # under 1%
