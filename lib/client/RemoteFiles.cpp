@@ -28,9 +28,7 @@ command::StoredTensor Session::State::stored(const at::Tensor &t) {
 }
 
 Reply Session::State::fileRequest(command::File c) {
-  if (transport.lost())
-    raise(ErrorKind::SessionLost, transport.lostReason());
-  queue(std::move(c));
+  queue(std::move(c)); // raises SessionLost if the session is lost
   return flush(true);
 }
 

@@ -395,20 +395,11 @@ def safetensors_header(path):
 def load_safetensors(path, device=None):
     """safetensors.torch.load_file(rgpu.remote(path), device): each tensor read on the server,
     onto the current rgpu device unless `device` names another (then moved there)."""
-    header, start = safetensors_header(path)
     target = torch.device(device) if device is not None else None
-    on = _rgpu_device(target if target is not None and target.type == "rgpu" else None)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _SAFETENSORS_NAMES[info["dtype"]]
-        shape = info["shape"]
-        strides = torch.empty(shape, dtype=dtype, device="meta").stride()
-        t = _C.files_tensor(path.path, start + info["data_offsets"][0], dtype, shape,
-                            list(strides), on.index)
-        out[name] = t if target is None or target.type == "rgpu" else t.to(target)
-    return out
+    on_rgpu = target is None or target.type == "rgpu"
+    f = SafeOpen(path, device=target if on_rgpu and target is not None else "cpu")
+    return {name: f.get_tensor(name) if on_rgpu else f.get_tensor(name).to(target)
+            for name in f.header if name != "__metadata__"}
 
 
 class SafeOpen:
@@ -420,7 +411,7 @@ class SafeOpen:
             raise ValueError(f"{path!r} is on the server: only framework='pt' reads it")
         self.path = path
         self.header, self.start = safetensors_header(path)
-        target = torch.device(device) if device != "cpu" else None
+        target = torch.device(device) if str(device) != "cpu" else None
         self.device = _rgpu_device(target if target is not None and target.type == "rgpu"
                                    else None)
 
